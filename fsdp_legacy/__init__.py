@@ -1,0 +1,45 @@
+"""fsdp_legacy: an independent, drop-in implementation of PyTorch's FSDP1 API (FullyShardedDataParallel).
+
+    from fsdp_legacy import FullyShardedDataParallel as FSDP
+    from fsdp_legacy.wrap import ModuleWrapPolicy
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+"""
+
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from .flat_param import FlatParameter
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+]

@@ -1,0 +1,38 @@
+"""Collectives over c10d process groups: the one place that knows torch version differences.
+
+All collectives are issued with async_op=True and return a c10d Work. On gloo the work runs on gloo's own threads,
+so communication overlaps compute; on NCCL it runs on NCCL's internal stream, and Work.wait() makes the current
+stream wait for it (tensors handed to an async NCCL op are kept alive by c10d until it completes).
+"""
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Gather equal 1-D shards of every rank into `output` (world_size * shard.numel() elements)."""
+    return _all_gather_single(output, shard, group=group, async_op=True)
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Sum `full` (world_size * output.numel() elements) across ranks; rank r keeps chunk r in `output`."""
+    return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def gradient_divide_factors(world_size: int) -> tuple[float, float]:
+    """FSDP1's (pre, post) divisors: split 1/world_size so that fp16/bf16 sums neither overflow nor underflow.
+
+    pre doubles while it divides world_size and stays below world_size / pre; post = world_size / pre.
+    """
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return float(pre), world_size / pre

@@ -1,0 +1,197 @@
+"""The flat parameter of one FSDP unit and its layout: which original parameters it holds, where, and with what padding.
+
+The layout is torch FSDP1's, element for element, so that local shards (and LOCAL_STATE_DICT checkpoints) are
+interchangeable with torch's:
+
+* parameters in `named_modules(remove_duplicate=False)` order, each module's own parameters in registration order,
+  a parameter reached twice (tied weights) stored once;
+* with use_orig_params=True, padding before each parameter so it starts at a 16-byte boundary of the compute dtype,
+  and padding after the last one so the total divides by the world size (both filled with 42.0, as torch does);
+* the flat tensor is right-padded with zeros to `world_size * ceil(numel / world_size)` and rank r keeps chunk r.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+# torch fills alignment padding with this value, which makes stray reads of padding easy to spot.
+PADDING_VALUE = 42.0
+ALIGNMENT_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One original parameter stored in a flat parameter."""
+
+    fqn: str  # relative to the unit's wrapped module
+    module: nn.Module  # the module that owns it
+    module_name: str
+    param_name: str
+    shape: torch.Size
+    offset: int  # first element in the unsharded flat parameter
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class SharedParamInfo:
+    """A later reference to a parameter already stored (tied weights): the view is shared, the storage is not."""
+
+    module: nn.Module
+    module_name: str
+    param_name: str
+    primary: ParamInfo
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one original parameter that lies in this rank's shard."""
+
+    info: ParamInfo
+    offset_in_shard: int
+    numel_in_shard: int
+    start_in_param: int  # first element of the piece within the flattened parameter
+
+
+@dataclass(frozen=True)
+class FlatParamLayout:
+    params: tuple[ParamInfo, ...]
+    shared: tuple[SharedParamInfo, ...]
+    segments: tuple[tuple[int, bool], ...]  # (numel, is_padding) covering [0, numel) in order
+    numel: int  # unsharded numel, alignment padding included, world padding not
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def shard_pieces(self, rank: int) -> tuple[ShardPiece, ...]:
+        """The pieces of original parameters that rank `rank`'s shard holds, in flat order."""
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        pieces = []
+        for info in self.params:
+            start, end = max(lo, info.offset), min(hi, info.offset + info.numel)
+            if start < end:
+                pieces.append(ShardPiece(info, start - lo, end - start, start - info.offset))
+        return tuple(pieces)
+
+
+class FlatParameter(nn.Parameter):
+    """The parameter the optimizer sees for one FSDP unit: the local shard of the concatenated original parameters.
+
+    Its `.data` is the local shard outside forward/backward and the whole unsharded flat tensor inside them.
+    """
+
+    _is_flat_param = True  # torch's marker, kept for code that tests for it
+    flat_layout: FlatParamLayout
+
+    @classmethod
+    def create(cls, data: torch.Tensor, layout: FlatParamLayout, requires_grad: bool) -> "FlatParameter":
+        flat = cls(data, requires_grad=requires_grad)
+        flat.flat_layout = layout
+        return flat
+
+    # Read-only views of the layout under torch FSDP1's attribute names.
+    @property
+    def _fqns(self) -> tuple[str, ...]:
+        return tuple(p.fqn for p in self.flat_layout.params)
+
+    @property
+    def _shapes(self) -> tuple[torch.Size, ...]:
+        return tuple(p.shape for p in self.flat_layout.params)
+
+    @property
+    def _numels(self) -> tuple[int, ...]:
+        return tuple(p.numel for p in self.flat_layout.params)
+
+    @property
+    def _numels_with_padding(self) -> tuple[int, ...]:
+        return tuple(n for n, _ in self.flat_layout.segments)
+
+
+def iter_unit_modules(root: nn.Module, is_boundary: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module]]:
+    """Pre-order (name, module) pairs below `root`, duplicates kept, not descending into boundary modules."""
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        name, module = stack.pop()
+        yield name, module
+        children = [
+            (f"{name}.{child_name}" if name else child_name, child)
+            for child_name, child in module._modules.items()
+            if child is not None and not is_boundary(child)
+        ]
+        stack.extend(reversed(children))
+
+
+def build_layout(
+    root: nn.Module,
+    managed: set[nn.Parameter],
+    is_boundary: Callable[[nn.Module], bool],
+    world_size: int,
+    aligned_numel: int,
+) -> FlatParamLayout:
+    """Lay out the parameters of `managed` found below `root` the way torch FSDP1 does.
+
+    `aligned_numel` is 0 for no alignment (use_orig_params=False), else 16 bytes / itemsize of the compute dtype.
+    """
+    params: list[ParamInfo] = []
+    shared: list[SharedParamInfo] = []
+    segments: list[tuple[int, bool]] = []
+    seen: dict[nn.Parameter, ParamInfo] = {}
+    total = 0
+
+    def pad(multiple: int) -> None:
+        nonlocal total
+        gap = -total % multiple
+        if gap:
+            segments.append((gap, True))
+            total += gap
+
+    for module_name, module in iter_unit_modules(root, is_boundary):
+        for param_name, param in module._parameters.items():
+            if param is None or param not in managed:
+                continue
+            if param in seen:
+                shared.append(SharedParamInfo(module, module_name, param_name, seen[param]))
+                continue
+            if aligned_numel and total:
+                pad(aligned_numel)
+            fqn = f"{module_name}.{param_name}" if module_name else param_name
+            info = ParamInfo(fqn, module, module_name, param_name, param.shape, total)
+            seen[param] = info
+            params.append(info)
+            segments.append((info.numel, False))
+            total += info.numel
+    if aligned_numel:
+        pad(world_size)
+    return FlatParamLayout(tuple(params), tuple(shared), tuple(segments), total, world_size)
+
+
+def flatten(layout: FlatParamLayout, tensors: dict[ParamInfo, torch.Tensor], device, dtype) -> torch.Tensor:
+    """Concatenate the original parameters into one padded flat tensor of `layout.padded_numel` elements."""
+    flat = torch.empty(layout.padded_numel, device=device, dtype=dtype)
+    flat[layout.numel :].zero_()  # world padding is zeros, alignment padding is PADDING_VALUE
+    info_at = {info.offset: info for info in layout.params}
+    offset = 0
+    for numel, is_padding in layout.segments:
+        target = flat[offset : offset + numel]
+        if is_padding:
+            target.fill_(PADDING_VALUE)
+        else:
+            target.copy_(tensors[info_at[offset]].reshape(-1))
+        offset += numel
+    return flat
+
+
+def aligned_numel_for(dtype: torch.dtype) -> int:
+    return ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size()
+

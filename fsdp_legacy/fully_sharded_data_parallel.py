@@ -1,0 +1,373 @@
+"""FullyShardedDataParallel: the nn.Module wrapper, its construction and its public methods.
+
+Construction (as torch FSDP1): resolve ignored states, the process group and the compute device; auto-wrap the
+children bottom-up with the same arguments; then flatten the parameters this unit still manages into one
+FlatParameter and shard it. Runtime behaviour lives in runtime.py, the flat parameter's life cycle in handle.py.
+"""
+
+import contextlib
+import traceback
+import warnings
+from enum import Enum
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_param import FlatParameter, iter_unit_modules
+from .handle import FlatParamHandle
+from .runtime import Runtime, TrainingState
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
+FLAT_PARAM = "_flat_param"
+
+_SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards a module's parameters, gradients and optimizer state across ranks (torch FSDP1's API).
+
+    Each wrapped unit (this module, and every submodule the auto_wrap_policy selects) flattens the parameters it owns
+    into one FlatParameter and keeps a 1/world_size shard of it; the full parameters exist only around the unit's
+    forward and backward.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
+        cpu_offload: Optional[CPUOffload] = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Optional[MixedPrecision] = None,
+        ignored_modules: Optional[Iterable[nn.Module]] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        device_id: Optional[Union[int, torch.device]] = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Any = None,
+        device_mesh: Any = None,
+    ):
+        super().__init__()
+        sharding_strategy = _coerce(ShardingStrategy, sharding_strategy) or ShardingStrategy.FULL_SHARD
+        backward_prefetch = _coerce(BackwardPrefetch, backward_prefetch)
+        mixed_precision = mixed_precision or MixedPrecision()
+        cpu_offload = cpu_offload or CPUOffload()
+        _refuse_unimplemented(sharding_strategy, cpu_offload, mixed_precision, device_mesh)
+
+        self._ignored_modules, self._ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
+        self.process_group = _resolve_group(process_group, device_mesh)
+        self._device_mesh = device_mesh
+        self.rank = self.process_group.rank()
+        self.world_size = self.process_group.size()
+        self.compute_device = _compute_device(module, device_id, self.process_group, self._ignored_params)
+        _materialize_and_move(module, self.compute_device, param_init_fn, self._is_boundary_for(module))
+
+        if auto_wrap_policy is not None:
+            from .wrap import auto_wrap
+
+            root_kwargs = dict(
+                process_group=process_group,
+                sharding_strategy=sharding_strategy,
+                cpu_offload=cpu_offload,
+                backward_prefetch=backward_prefetch,
+                mixed_precision=mixed_precision,
+                ignored_modules=ignored_modules,
+                param_init_fn=param_init_fn,
+                device_id=device_id,
+                sync_module_states=sync_module_states,
+                forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers,
+                use_orig_params=use_orig_params,
+                ignored_states=ignored_states,
+                device_mesh=device_mesh,
+            )
+            auto_wrap(
+                module, auto_wrap_policy, FullyShardedDataParallel, self._ignored_modules, self._ignored_params,
+                root_kwargs,
+            )
+
+        if self.world_size == 1 and sharding_strategy != ShardingStrategy.NO_SHARD:
+            warnings.warn(
+                f"FSDP is switching to use `NO_SHARD` instead of {sharding_strategy} since the world size is 1."
+            )
+            sharding_strategy = ShardingStrategy.NO_SHARD
+        elif sharding_strategy == ShardingStrategy.NO_SHARD:
+            warnings.warn(
+                "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+                "`DistributedDataParallel` instead.",
+                FutureWarning,
+            )
+        self.sharding_strategy = sharding_strategy
+        self.cpu_offload = cpu_offload
+        self.mixed_precision = mixed_precision
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self._use_orig_params = use_orig_params
+        self._sync_gradients = True
+        self.training_state = TrainingState.IDLE
+        self._is_root: Optional[bool] = None
+        self._runtime: Optional[Runtime] = None
+
+        is_boundary = self._is_boundary_for(module)
+        managed = self._managed_params(module, is_boundary)
+        if sync_module_states:
+            _broadcast_from_rank0(module, managed, is_boundary, self.process_group)
+        self._handle: Optional[FlatParamHandle] = None
+        if managed:
+            self._handle = FlatParamHandle(
+                module,
+                managed,
+                is_boundary,
+                self.process_group,
+                sharded=sharding_strategy in _SHARDED_STRATEGIES,
+                reshard_after_forward=sharding_strategy == ShardingStrategy.FULL_SHARD,
+                use_orig_params=use_orig_params,
+                device=self.compute_device,
+            )
+            self._handle.flat_param.register_post_accumulate_grad_hook(self._post_backward_hook)
+        self._fsdp_wrapped_module = module
+        if self._handle is not None and not use_orig_params:
+            module.register_parameter(FLAT_PARAM, self._handle.flat_param)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Construction helpers
+
+    def _is_boundary_for(self, root: nn.Module) -> Callable[[nn.Module], bool]:
+        ignored = self._ignored_modules
+        return lambda m: m is not root and (isinstance(m, FullyShardedDataParallel) or m in ignored)
+
+    def _managed_params(self, module: nn.Module, is_boundary) -> set[nn.Parameter]:
+        """This unit's parameters: below `module`, not ignored, not inside a nested unit; tied ones refused."""
+        nested_owner = {
+            param: name
+            for name, unit in module.named_modules()
+            if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None
+            for param in unit._handle.orig_params.values()
+        }
+        managed = set()
+        for module_name, sub in iter_unit_modules(module, is_boundary):
+            for param_name, param in sub._parameters.items():
+                if param is None or param in self._ignored_params:
+                    continue
+                fqn = f"{module_name}.{param_name}" if module_name else param_name
+                if param in nested_owner:
+                    raise ValueError(
+                        f"Parameter '{fqn}' is shared with the nested FSDP unit '{nested_owner[param]}', which "
+                        "already flattened it. A parameter can live in only one FSDP unit, so tied parameters must "
+                        f"be wrapped together: change the auto_wrap_policy so that '{module_name or 'the root'}' and "
+                        f"'{nested_owner[param]}' belong to the same unit (e.g. do not wrap "
+                        f"'{nested_owner[param]}' separately), or pass the parameter in ignored_states."
+                    )
+                if param.dim() == 0:
+                    raise ValueError(
+                        f"FSDP doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1."
+                    )
+                managed.add(param)
+        return managed
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # nn.Module surface
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        runtime = self._lazy_init()
+        args, kwargs = runtime.pre_forward(self, args, kwargs)
+        output = self._fsdp_wrapped_module(*args, **kwargs)
+        return runtime.post_forward(self, output)
+
+    def _lazy_init(self) -> Runtime:
+        """The first FSDP instance to run forward becomes the root of all FSDP instances below it."""
+        if self._runtime is None:
+            units = FullyShardedDataParallel.fsdp_modules(self)
+            runtime = Runtime(self, units)
+            for unit in units:
+                unit._is_root = unit is self
+                unit._runtime = runtime
+        return self._runtime
+
+    def _post_backward_hook(self, flat_param: torch.Tensor) -> None:
+        self._runtime.post_backward(self)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (inside an activation-checkpoint wrapper, the module it wraps)."""
+        wrapped = self._fsdp_wrapped_module
+        return getattr(wrapped, "_checkpoint_wrapped_module", wrapped)
+
+    @property
+    def params(self) -> list[FlatParameter]:
+        return [self._handle.flat_param] if self._handle is not None else []
+
+    @property
+    def _flat_param(self) -> Optional[FlatParameter]:
+        return self._handle.flat_param if self._handle is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self._modules.get(FSDP_WRAPPED_MODULE)
+            if wrapped is None:
+                raise
+            return getattr(wrapped, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+    def check_is_root(self) -> bool:
+        self._lazy_init()
+        return bool(self._is_root)
+
+    def _assert_state(self, state: Union[TrainingState, list[TrainingState]]) -> None:
+        states = state if isinstance(state, list) else [state]
+        if self.training_state not in states:
+            message = f"expected to be in states {states} but current state is {self.training_state}"
+            traceback.print_stack()
+            raise ValueError(message)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        """All FSDP instances in `module` (itself included) in pre-order, or only the outermost ones."""
+        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not root_only:
+            return units
+        nested = {id(inner) for unit in units for inner in unit.modules() if inner is not unit}
+        return [unit for unit in units if id(unit) not in nested]
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Features that land in later work: refuse clearly instead of silently doing the wrong thing.
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        raise _not_yet("FSDP.no_sync()")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        raise _not_yet("FSDP.clip_grad_norm_()")
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        raise _not_yet("FSDP.register_comm_hook()")
+
+    @staticmethod
+    def summon_full_params(module: nn.Module, *args: Any, **kwargs: Any) -> Iterator[None]:
+        raise _not_yet("FSDP.summon_full_params()")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Argument resolution
+
+
+def _coerce(enum_cls: type[Enum], value: Any) -> Any:
+    """Accept our enums and torch's equally (users mix imports): map by member name."""
+    if value is None or isinstance(value, enum_cls):
+        return value
+    if isinstance(value, Enum) and value.name in enum_cls.__members__:
+        return enum_cls[value.name]
+    raise ValueError(f"Expected a {enum_cls.__name__} but got {value!r}")
+
+
+def _not_yet(feature: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{feature} is not implemented in fsdp_legacy yet; it is planned (see the compatibility table in "
+        "docs/compatibility.md). Until then use the default for this option."
+    )
+
+
+def _refuse_unimplemented(strategy, cpu_offload: CPUOffload, mixed_precision: MixedPrecision, device_mesh) -> None:
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        raise _not_yet(f"sharding_strategy={strategy}")
+    if cpu_offload.offload_params:
+        raise _not_yet("cpu_offload=CPUOffload(offload_params=True)")
+    mp = mixed_precision
+    if mp.param_dtype is not None or mp.reduce_dtype is not None or mp.buffer_dtype is not None:
+        raise _not_yet("mixed_precision with param_dtype/reduce_dtype/buffer_dtype")
+    if device_mesh is not None and device_mesh.ndim != 1:
+        raise _not_yet("a 2-D device_mesh (hybrid sharding)")
+
+
+def _resolve_ignored(
+    module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]], ignored_states: Any
+) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError(
+            "Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states."
+        )
+    states = list(ignored_modules if ignored_modules is not None else ignored_states or [])
+    modules = {m for m in states if isinstance(m, nn.Module)}
+    params = {p for p in states if isinstance(p, nn.Parameter)}
+    if len(modules) + len(params) != len(states):
+        raise ValueError("ignored_states must contain only nn.Module and nn.Parameter objects")
+    for m in modules:
+        if isinstance(m, FullyShardedDataParallel):
+            raise ValueError("`ignored_modules` should not include FSDP modules")
+    ignored_modules_all = {sub for m in modules for sub in m.modules()}
+    params |= {p for m in ignored_modules_all for p in m.parameters(recurse=False)}
+    return ignored_modules_all, params
+
+
+def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
+    if process_group is not None and device_mesh is not None:
+        raise ValueError(
+            "Cannot pass both process_group and device_mesh at the same time. Please just pass only one of them."
+        )
+    if isinstance(process_group, tuple):
+        raise _not_yet("a (shard_group, replicate_group) process_group tuple (hybrid sharding)")
+    if device_mesh is not None:
+        return device_mesh.get_group()
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "FSDP needs torch.distributed to be initialized: call torch.distributed.init_process_group() first "
+            "(launch with torchrun), or pass process_group."
+        )
+    return process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+
+
+def _compute_device(
+    module: nn.Module, device_id: Any, group: dist.ProcessGroup, ignored: set[nn.Parameter]
+) -> torch.device:
+    if device_id is not None:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    devices = {p.device for p in module.parameters() if p not in ignored and p.device.type != "meta"}
+    if len(devices) > 1:
+        raise ValueError(f"FSDP requires all parameters of a module on one device, but found {sorted(map(str, devices))}")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())  # NCCL needs CUDA tensors
+    return device
+
+
+def _materialize_and_move(module: nn.Module, device: torch.device, param_init_fn, is_boundary) -> None:
+    """Materialise meta-device parameters (param_init_fn, else to_empty + reset_parameters) and move to `device`."""
+    units = [m for _, m in iter_unit_modules(module, is_boundary)]
+    if any(t.device.type == "meta" for m in units for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))):
+        if param_init_fn is not None:
+            param_init_fn(module)
+        else:
+            for sub in units:
+                sub.to_empty(device=device, recurse=False)
+                if hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
+    with torch.no_grad():
+        for sub in units:
+            for param in sub._parameters.values():
+                if param is not None and param.device != device:
+                    param.data = param.data.to(device)  # in place, so tied parameters stay tied
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    sub._buffers[name] = buffer.to(device)
+
+def _broadcast_from_rank0(module: nn.Module, managed: set[nn.Parameter], is_boundary, group: dist.ProcessGroup) -> None:
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for _, sub in iter_unit_modules(module, is_boundary):
+            for t in (*sub._parameters.values(), *sub._buffers.values()):
+                if t is not None and (t in managed or not isinstance(t, nn.Parameter)):
+                    dist.broadcast(t.data, src=source, group=group)

@@ -1,0 +1,280 @@
+"""FlatParamHandle: owns one unit's flat parameter and moves it between its sharded and unsharded states.
+
+States of the flat parameter's `.data`:
+  sharded   -> the local shard (`local_shard`), what the optimizer steps on;
+  unsharded -> `full_padded`, the all-gathered flat tensor whose storage is freed (resized to 0) while sharded, so
+               that tensors autograd saved as views of it stay valid across a free and a later re-gather.
+Invariant: while sharded, `flat_param.grad` is the sharded gradient; while unsharded it is set aside in
+`saved_grad` (autograd accumulates the unsharded gradient into `.grad`), and put back on reshard.
+"""
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _collectives as comm
+from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, aligned_numel_for, build_layout, flatten
+
+
+class HandleTrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD_PRE = auto()
+    BACKWARD_POST = auto()
+    SUMMON_FULL_PARAMS = auto()
+
+
+@dataclass
+class PendingReduction:
+    """An issued gradient reduce-scatter (or all-reduce) whose result is not yet folded into the gradient."""
+
+    handle: "FlatParamHandle"
+    work: dist.Work
+    output: torch.Tensor
+    input: torch.Tensor  # kept alive until the collective completes
+    post_divide: float
+
+
+class FlatParamHandle:
+    def __init__(
+        self,
+        module: nn.Module,
+        managed: set[nn.Parameter],
+        is_boundary: Callable[[nn.Module], bool],
+        group: dist.ProcessGroup,
+        sharded: bool,
+        reshard_after_forward: bool,
+        use_orig_params: bool,
+        device: torch.device,
+    ):
+        self.group = group
+        self.rank = group.rank()
+        self.world_size = group.size()
+        self.sharded = sharded
+        self.reshard_after_forward = reshard_after_forward
+        self.use_orig_params = use_orig_params
+        self.training_state = HandleTrainingState.IDLE
+        self.is_unsharded = not sharded  # NO_SHARD: always whole
+        self.unshard_work: Optional[dist.Work] = None
+        self.saved_grad: Optional[torch.Tensor] = None
+        self.new_grad: Optional[torch.Tensor] = None  # this backward's reduced sharded gradient
+        self.needs_pre_backward = False  # set in forward, cleared by the first pre-backward hook
+        self.post_backward_done = False
+
+        params = [p for p in managed]
+        dtype = _uniform(params, lambda p: p.dtype, "dtype")
+        requires_grad = any(p.requires_grad for p in params)
+        if not use_orig_params:
+            _uniform(params, lambda p: p.requires_grad, "`requires_grad` when `use_orig_params=False`")
+        layout = build_layout(
+            module,
+            managed,
+            is_boundary,
+            self.world_size if sharded else 1,
+            aligned_numel_for(dtype) if use_orig_params else 0,
+        )
+        self.layout: FlatParamLayout = layout
+        originals = {info: info.module._parameters[info.param_name] for info in layout.params}
+        with torch.no_grad():
+            full = flatten(layout, {i: p.detach() for i, p in originals.items()}, device, dtype)
+        if sharded:
+            n = layout.shard_numel
+            self.local_shard = full[self.rank * n : (self.rank + 1) * n].clone()
+            self.full_padded = full  # reused as the all-gather buffer
+            _free(self.full_padded)
+        else:
+            self.local_shard = full[: layout.numel] if layout.padded_numel != layout.numel else full
+            self.full_padded = self.local_shard
+        self.flat_param = FlatParameter.create(self.local_shard, layout, requires_grad)
+        self.orig_params: dict[ParamInfo, nn.Parameter] = originals
+        self._local_pieces = {piece.info: piece for piece in layout.shard_pieces(self.rank if sharded else 0)}
+        self._orig_grad_views: dict[ParamInfo, Optional[torch.Tensor]] = {}
+        if use_orig_params:
+            self._use_sharded_orig_params()
+        else:
+            for info in layout.params:
+                del info.module._parameters[info.param_name]
+            for shared in layout.shared:
+                del shared.module._parameters[shared.param_name]
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Unshard / reshard
+
+    def unshard(self) -> None:
+        """Issue the all-gather of the full flat parameter (asynchronously); `wait_unshard` completes it."""
+        if self.is_unsharded or self.unshard_work is not None:
+            return
+        _alloc(self.full_padded)
+        self.unshard_work = comm.all_gather(self.full_padded, self.local_shard, self.group)
+
+    def wait_unshard(self) -> None:
+        if self.is_unsharded:
+            return
+        self.unshard()
+        self.unshard_work.wait()
+        self.unshard_work = None
+        self.saved_grad, self.flat_param.grad = self.flat_param.grad, None
+        self.flat_param.data = self.full_padded
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Back to the local shard: free the unsharded storage and put the sharded gradient back."""
+        self.drop_unsharded_views()
+        if not self.sharded:
+            return
+        if self.unshard_work is not None:  # a prefetch nobody used: it must finish before its buffer is freed
+            self.unshard_work.wait()
+            self.unshard_work = None
+        if self.is_unsharded:
+            self.flat_param.data = self.local_shard
+            self.flat_param.grad, self.saved_grad = self.saved_grad, None
+            self.is_unsharded = False
+        _free(self.full_padded)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Views of the original parameters
+
+    def use_unsharded_views(self) -> None:
+        """Point each original parameter's attribute at a view of the unsharded flat parameter.
+
+        The views are made afresh each forward so autograd records them under the current grad mode and routes their
+        gradients into the flat parameter. They go into the module's __dict__, which attribute lookup reads before
+        `_parameters`, so with use_orig_params=True the registered parameters stay untouched.
+        """
+        layout = self.layout
+        sizes = [numel for numel, _ in layout.segments]
+        if self.flat_param.numel() > layout.numel:
+            sizes.append(self.flat_param.numel() - layout.numel)
+        chunks = self.flat_param.split(sizes)
+        views = {}
+        for chunk, (_, is_padding), info in zip(chunks, layout.segments, _infos_in_segment_order(layout)):
+            if not is_padding:
+                view = chunk.view(info.shape)
+                views[info] = view
+                info.module.__dict__[info.param_name] = view
+        for shared in layout.shared:
+            shared.module.__dict__[shared.param_name] = views[shared.primary]
+
+    def drop_unsharded_views(self) -> None:
+        for info in self.layout.params:
+            info.module.__dict__.pop(info.param_name, None)
+        for shared in self.layout.shared:
+            shared.module.__dict__.pop(shared.param_name, None)
+
+    def _use_sharded_orig_params(self) -> None:
+        """use_orig_params=True: original parameters become views of the local shard (1-D pieces when sharded)."""
+        for info, param in self.orig_params.items():
+            param.data = self._local_view(self.local_shard, info)
+
+    def _local_view(self, flat: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+        if not self.sharded:
+            return flat[info.offset : info.offset + info.numel].view(info.shape)
+        piece = self._local_pieces.get(info)
+        if piece is None:
+            return flat[:0]
+        return flat[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard]
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Gradients
+
+    def sync_grad_from_orig_params(self) -> None:
+        """use_orig_params=True: adopt what the user did to the original gradients (zero_grad(set_to_none), edits)."""
+        if not self.use_orig_params or (self.sharded and self.is_unsharded):
+            return
+        flat_grad = self.flat_param.grad
+        grads = {info: p.grad for info, p in self.orig_params.items() if info in self._orig_grad_views}
+        if flat_grad is not None and all(grads[i] is v for i, v in self._orig_grad_views.items()):
+            return  # untouched since we set them
+        if all(g is None for g in grads.values()):
+            self.flat_param.grad = None
+            self._orig_grad_views = {}
+            return
+        fresh = torch.zeros_like(self.flat_param)
+        for info, grad in grads.items():
+            if grad is not None:
+                self._local_view(fresh, info).copy_(grad.reshape(self._local_view(fresh, info).shape))
+        self.flat_param.grad = fresh
+        self._use_orig_grad_views()
+
+    def _use_orig_grad_views(self) -> None:
+        flat_grad = self.flat_param.grad
+        self._orig_grad_views = {}
+        for info, param in self.orig_params.items():
+            has_data = not self.sharded or info in self._local_pieces
+            view = self._local_view(flat_grad, info) if flat_grad is not None and has_data else None
+            if view is not None and not param.requires_grad:
+                view = None
+            param.grad = view
+            if view is not None:
+                self._orig_grad_views[info] = view
+
+    def reduce_grad(self) -> Optional[PendingReduction]:
+        """Issue the reduction of this backward's unsharded gradient; sharded strategies reduce-scatter it."""
+        grad = self.flat_param.grad
+        if grad is None or self.world_size == 1:
+            return None
+        pre, post = comm.gradient_divide_factors(self.world_size)
+        if self.sharded:
+            self.flat_param.grad = None
+            if pre > 1:
+                grad.div_(pre)
+            output = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+            return PendingReduction(self, comm.reduce_scatter(output, grad, self.group), output, grad, post)
+        if pre > 1:
+            grad.div_(pre)
+        return PendingReduction(self, comm.all_reduce(grad, self.group), grad, grad, post)
+
+    def finish_reduction(self, pending: PendingReduction) -> None:
+        pending.work.wait()
+        if pending.post_divide > 1:
+            pending.output.div_(pending.post_divide)
+        if self.sharded:
+            self.new_grad = pending.output
+
+    def finish_backward(self) -> None:
+        """End of backward: back to the shard, with this backward's gradient added to the sharded gradient."""
+        self.reshard()
+        if self.new_grad is not None:
+            if self.flat_param.grad is None:
+                self.flat_param.grad = self.new_grad
+            else:
+                self.flat_param.grad.add_(self.new_grad)
+            self.new_grad = None
+        if self.use_orig_params:
+            self._use_orig_grad_views()
+        self.training_state = HandleTrainingState.IDLE
+        self.needs_pre_backward = False
+        self.post_backward_done = False
+
+
+def _infos_in_segment_order(layout: FlatParamLayout):
+    """Yield, for each segment, the ParamInfo it holds (None for padding)."""
+    params = iter(layout.params)
+    for _, is_padding in layout.segments:
+        yield None if is_padding else next(params)
+
+
+def _uniform(params: list[nn.Parameter], key, what: str):
+    values = {key(p) for p in params}
+    if len(values) > 1:
+        raise ValueError(
+            f"Must flatten tensors with uniform {what}, but one FSDP unit holds {sorted(map(str, values))}. "
+            "Wrap the differing parameters in separate FSDP units (or use use_orig_params=True for mixed "
+            "requires_grad)."
+        )
+    return values.pop()
+
+
+def _free(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)

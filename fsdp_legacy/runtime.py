@@ -1,0 +1,189 @@
+"""The per-step state machine shared by all FSDP units under one root.
+
+    forward:   pre_forward (all-gather, views)  -> wrapped module -> post_forward (reshard, pre-backward hooks)
+    backward:  pre-backward hook on the unit's outputs (all-gather again if resharded)
+               -> post-backward hook after the flat parameter's gradient accumulates (reduce-scatter, reshard)
+               -> end-of-backward callback once autograd is done (wait reductions, install sharded gradients)
+
+Collectives are asynchronous; a unit's all-gather for the next unit (prefetch) is issued before waiting on its own so
+communication overlaps compute, and at most MAX_PENDING_REDUCTIONS reduce-scatters are in flight so unsharded
+gradients do not pile up.
+"""
+
+from collections import deque
+from enum import Enum, auto
+from functools import partial
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from .api import BackwardPrefetch
+from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+MAX_PENDING_REDUCTIONS = 2
+# On CUDA the CPU runs ahead of the GPU; this many resharded-but-not-yet-executed units are allowed before the
+# CPU waits, which bounds the memory of all-gathers issued ahead (torch FSDP1's limit_all_gathers).
+MAX_INFLIGHT_RESHARDS = 2
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD_BACKWARD = auto()
+    SUMMON_FULL_PARAMS = auto()
+
+
+class Runtime:
+    def __init__(self, root: "FullyShardedDataParallel", units: list["FullyShardedDataParallel"]):
+        self.root = root
+        self.units = units  # pre-order, root first
+        self.forward_order: list[FlatParamHandle] = []  # this iteration's first-use order
+        self.previous_forward_order: list[FlatParamHandle] = []  # the last iteration's, for forward prefetch
+        self.iteration_done = True  # the next root forward starts a new iteration
+        self.pending: deque[PendingReduction] = deque()
+        self.backward_callback_queued = False
+        self.compute_device = root.compute_device
+        self.limit_all_gathers = root.limit_all_gathers and self.compute_device.type == "cuda"
+        self.reshard_events: deque = deque()
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Forward
+
+    def pre_forward(self, unit: "FullyShardedDataParallel", args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if unit is self.root:
+            args, kwargs = self._root_pre_forward(args, kwargs)
+        unit.training_state = TrainingState.FORWARD_BACKWARD
+        handle = unit._handle
+        if handle is not None:
+            handle.training_state = HandleTrainingState.FORWARD
+            if handle not in self.forward_order:
+                self.forward_order.append(handle)
+            self._issue_unshard(handle)
+            if unit.forward_prefetch:
+                self._prefetch(_neighbour(self.previous_forward_order, handle, +1))
+            handle.wait_unshard()
+            handle.use_unsharded_views()
+        return args, kwargs
+
+    def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.iteration_done:
+            self.previous_forward_order, self.forward_order = self.forward_order, []
+            self.iteration_done = False
+            for unit in self.units:
+                if unit._handle is not None:
+                    unit._handle.sync_grad_from_orig_params()
+        if self.compute_device.type != "cpu":
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: t.to(self.compute_device, non_blocking=True), (args, kwargs)
+            )
+        return args, kwargs
+
+    def post_forward(self, unit: "FullyShardedDataParallel", output: Any) -> Any:
+        handle = unit._handle
+        grad_enabled = torch.is_grad_enabled()
+        if handle is not None:
+            # The root keeps its parameters for the backward that follows at once (as torch FSDP1 does); without
+            # grad there is no backward, so everything reshards.
+            if not grad_enabled or (handle.reshard_after_forward and unit is not self.root):
+                self._reshard(handle)
+            handle.training_state = HandleTrainingState.IDLE
+            handle.needs_pre_backward = grad_enabled
+        if grad_enabled:
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._pre_backward, unit))
+        else:
+            unit.training_state = TrainingState.IDLE
+            if unit is self.root:
+                self.iteration_done = True
+        return output
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Backward
+
+    def _pre_backward(self, unit: "FullyShardedDataParallel", grad: torch.Tensor) -> None:
+        self._queue_backward_callback()
+        handle = unit._handle
+        if handle is None or not handle.needs_pre_backward:
+            return
+        handle.needs_pre_backward = False
+        handle.training_state = HandleTrainingState.BACKWARD_PRE
+        self._issue_unshard(handle)
+        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch_for_backward(handle)
+        handle.wait_unshard()
+
+    def post_backward(self, unit: "FullyShardedDataParallel") -> None:
+        """Runs once this backward's gradient has accumulated into the unit's unsharded flat parameter."""
+        self._queue_backward_callback()
+        handle = unit._handle
+        handle.training_state = HandleTrainingState.BACKWARD_POST
+        pending = handle.reduce_grad()
+        if pending is not None:
+            self.pending.append(pending)
+            if len(self.pending) > MAX_PENDING_REDUCTIONS:
+                self._finish_oldest_reduction()
+        if handle.sharded:
+            self._reshard(handle)
+        handle.post_backward_done = True
+        if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+            self._prefetch_for_backward(handle)
+
+    def _queue_backward_callback(self) -> None:
+        if not self.backward_callback_queued:
+            self.backward_callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        while self.pending:
+            self._finish_oldest_reduction()
+        for unit in self.units:
+            if unit._handle is not None:
+                unit._handle.finish_backward()
+            unit.training_state = TrainingState.IDLE
+        self.reshard_events.clear()
+        self.backward_callback_queued = False
+        self.iteration_done = True
+
+    def _finish_oldest_reduction(self) -> None:
+        pending = self.pending.popleft()
+        pending.handle.finish_reduction(pending)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # All-gather scheduling
+
+    def _prefetch(self, handle: Optional[FlatParamHandle]) -> None:
+        if handle is not None and handle.sharded:
+            self._issue_unshard(handle)
+
+    def _prefetch_for_backward(self, current: FlatParamHandle) -> None:
+        """Start the all-gather of the unit whose backward comes next (the one before `current` in forward order)."""
+        upcoming = _neighbour(self.forward_order, current, -1)
+        if upcoming is not None and upcoming.needs_pre_backward:
+            self._prefetch(upcoming)
+
+    def _issue_unshard(self, handle: FlatParamHandle) -> None:
+        if self.limit_all_gathers and not handle.is_unsharded and handle.unshard_work is None:
+            while len(self.reshard_events) >= MAX_INFLIGHT_RESHARDS:
+                self.reshard_events.popleft().synchronize()
+        handle.unshard()
+
+    def _reshard(self, handle: FlatParamHandle) -> None:
+        handle.reshard()
+        if self.limit_all_gathers and handle.sharded:
+            event = torch.cuda.Event()
+            event.record()
+            self.reshard_events.append(event)
+
+
+def _neighbour(order: list[FlatParamHandle], handle: FlatParamHandle, step: int) -> Optional[FlatParamHandle]:
+    """The handle `step` places from `handle` in `order` (forward order; step -1 is the next one in backward)."""
+    try:
+        index = order.index(handle) + step
+    except ValueError:
+        return None
+    return order[index] if 0 <= index < len(order) else None
