@@ -17,7 +17,7 @@ from torch import nn
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import FlatParameter, iter_unit_modules
-from .handle import FlatParamHandle
+from .handle import FLATTENED, FlatParamHandle
 from .runtime import Runtime, TrainingState
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -132,7 +132,8 @@ class FullyShardedDataParallel(nn.Module):
                 use_orig_params=use_orig_params,
                 device=self.compute_device,
             )
-            self._handle.flat_param.register_post_accumulate_grad_hook(self._post_backward_hook)
+            if self._handle.flat_param.requires_grad:
+                self._handle.flat_param.register_post_accumulate_grad_hook(self._post_backward_hook)
         self._fsdp_wrapped_module = module
         if self._handle is not None and not use_orig_params:
             module.register_parameter(FLAT_PARAM, self._handle.flat_param)
@@ -145,26 +146,19 @@ class FullyShardedDataParallel(nn.Module):
         return lambda m: m is not root and (isinstance(m, FullyShardedDataParallel) or m in ignored)
 
     def _managed_params(self, module: nn.Module, is_boundary) -> set[nn.Parameter]:
-        """This unit's parameters: below `module`, not ignored, not inside a nested unit; tied ones refused."""
-        nested_owner = {
-            param: name
-            for name, unit in module.named_modules()
-            if isinstance(unit, FullyShardedDataParallel) and unit._handle is not None
-            for param in unit._handle.orig_params.values()
-        }
+        """This unit's parameters: below `module`, not ignored, not inside a nested unit, not tied to another unit."""
         managed = set()
         for module_name, sub in iter_unit_modules(module, is_boundary):
             for param_name, param in sub._parameters.items():
                 if param is None or param in self._ignored_params:
                     continue
                 fqn = f"{module_name}.{param_name}" if module_name else param_name
-                if param in nested_owner:
+                if param in FLATTENED:
                     raise ValueError(
-                        f"Parameter '{fqn}' is shared with the nested FSDP unit '{nested_owner[param]}', which "
-                        "already flattened it. A parameter can live in only one FSDP unit, so tied parameters must "
-                        f"be wrapped together: change the auto_wrap_policy so that '{module_name or 'the root'}' and "
-                        f"'{nested_owner[param]}' belong to the same unit (e.g. do not wrap "
-                        f"'{nested_owner[param]}' separately), or pass the parameter in ignored_states."
+                        f"Parameter '{fqn}' of {type(sub).__name__} is tied to {FLATTENED[param]}, which already "
+                        "flattened it. A parameter can live in only one FSDP unit, so the modules sharing it must be "
+                        "wrapped together: change the auto_wrap_policy so they belong to the same unit (e.g. do not "
+                        "wrap one of them separately), or pass the parameter in ignored_states."
                     )
                 if param.dim() == 0:
                     raise ValueError(

@@ -15,9 +15,15 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _collectives as comm
 from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, aligned_numel_for, build_layout, flatten
+
+
+# Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
+# units) fails with a clear message instead of silently owning a stale copy.
+FLATTENED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class HandleTrainingState(Enum):
@@ -74,7 +80,7 @@ class FlatParamHandle:
             module,
             managed,
             is_boundary,
-            self.world_size if sharded else 1,
+            self.world_size,  # NO_SHARD too: torch pads the same way, which keeps the layouts interchangeable
             aligned_numel_for(dtype) if use_orig_params else 0,
         )
         self.layout: FlatParamLayout = layout
@@ -91,8 +97,10 @@ class FlatParamHandle:
             self.full_padded = self.local_shard
         self.flat_param = FlatParameter.create(self.local_shard, layout, requires_grad)
         self.orig_params: dict[ParamInfo, nn.Parameter] = originals
-        self._local_pieces = {piece.info: piece for piece in layout.shard_pieces(self.rank if sharded else 0)}
+        self._local_pieces = {piece.info: piece for piece in layout.shard_pieces(self.rank)} if sharded else {}
         self._orig_grad_views: dict[ParamInfo, Optional[torch.Tensor]] = {}
+        for info, param in originals.items():
+            FLATTENED[param] = f"'{info.fqn}' of the FSDP unit wrapping {type(module).__name__}"
         if use_orig_params:
             self._use_sharded_orig_params()
         else:
@@ -100,6 +108,8 @@ class FlatParamHandle:
                 del info.module._parameters[info.param_name]
             for shared in layout.shared:
                 del shared.module._parameters[shared.param_name]
+            self._placeholders = {info: torch.empty(info.shape, device="meta", dtype=dtype) for info in layout.params}
+            self.drop_unsharded_views()
 
     # ----------------------------------------------------------------------------------------------------------------
     # Unshard / reshard
@@ -149,21 +159,31 @@ class FlatParamHandle:
         sizes = [numel for numel, _ in layout.segments]
         if self.flat_param.numel() > layout.numel:
             sizes.append(self.flat_param.numel() - layout.numel)
+        # One split (a single autograd node) rather than a slice per parameter, which would each backpropagate a
+        # full-size gradient.
         chunks = self.flat_param.split(sizes)
-        views = {}
-        for chunk, (_, is_padding), info in zip(chunks, layout.segments, _infos_in_segment_order(layout)):
-            if not is_padding:
-                view = chunk.view(info.shape)
-                views[info] = view
-                info.module.__dict__[info.param_name] = view
-        for shared in layout.shared:
-            shared.module.__dict__[shared.param_name] = views[shared.primary]
+        params = (chunk for chunk, (_, is_padding) in zip(chunks, layout.segments) if not is_padding)
+        views = {info: chunk.view(info.shape) for info, chunk in zip(layout.params, params)}
+        for module, name, info in self._attributes():
+            module.__dict__[name] = views[info]
 
     def drop_unsharded_views(self) -> None:
+        """Outside forward/backward: use_orig_params=True falls back to the registered (sharded) parameters. With
+        use_orig_params=False the attributes become meta-device placeholders of the original shapes, so code such as
+        `module.bias is not None` or repr() keeps working while any use of the data fails loudly.
+        """
+        for module, name, info in self._attributes():
+            if self.use_orig_params:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = self._placeholders[info]
+
+    def _attributes(self):
+        """(module, attribute name, ParamInfo) of every original parameter reference, tied ones included."""
         for info in self.layout.params:
-            info.module.__dict__.pop(info.param_name, None)
+            yield info.module, info.param_name, info
         for shared in self.layout.shared:
-            shared.module.__dict__.pop(shared.param_name, None)
+            yield shared.module, shared.param_name, shared.primary
 
     def _use_sharded_orig_params(self) -> None:
         """use_orig_params=True: original parameters become views of the local shard (1-D pieces when sharded)."""
@@ -249,13 +269,6 @@ class FlatParamHandle:
         self.training_state = HandleTrainingState.IDLE
         self.needs_pre_backward = False
         self.post_backward_done = False
-
-
-def _infos_in_segment_order(layout: FlatParamLayout):
-    """Yield, for each segment, the ParamInfo it holds (None for padding)."""
-    params = iter(layout.params)
-    for _, is_padding in layout.segments:
-        yield None if is_padding else next(params)
 
 
 def _uniform(params: list[nn.Parameter], key, what: str):

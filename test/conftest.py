@@ -1,0 +1,26 @@
+"""pytest config for fsdp_legacy: puts test/ and the repo root on sys.path and
+provides the ``ranks`` fixture backed by the session-wide rank pools in harness.py."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import pytest
+
+_TEST_DIR = os.path.dirname(os.path.abspath(__file__))
+for _p in (os.path.dirname(_TEST_DIR), _TEST_DIR):  # test/ ends up first
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import harness  # noqa: E402  (needs the sys.path entry above)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    harness.shutdown()  # stop the rank pools cleanly; atexit is only the backstop
+
+
+@pytest.fixture
+def ranks() -> Callable[..., list[Any]]:
+    """``ranks(fn, world_size, *args, timeout=120, **kwargs)`` -> results by rank."""
+    return harness.run_on_ranks
