@@ -30,6 +30,7 @@ __all__ = [
     "CPUOffload",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
+    "FlatParameter",
     "FullyShardedDataParallel",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",

@@ -59,7 +59,7 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch = _coerce(BackwardPrefetch, backward_prefetch)
         mixed_precision = mixed_precision or MixedPrecision()
         cpu_offload = cpu_offload or CPUOffload()
-        _refuse_unimplemented(sharding_strategy, cpu_offload, mixed_precision, device_mesh)
+        _refuse_unimplemented(sharding_strategy, cpu_offload, mixed_precision)
 
         self._ignored_modules, self._ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
         self.process_group = _resolve_group(process_group, device_mesh)
@@ -272,7 +272,7 @@ def _not_yet(feature: str) -> NotImplementedError:
     )
 
 
-def _refuse_unimplemented(strategy, cpu_offload: CPUOffload, mixed_precision: MixedPrecision, device_mesh) -> None:
+def _refuse_unimplemented(strategy: ShardingStrategy, cpu_offload: CPUOffload, mixed_precision: MixedPrecision) -> None:
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         raise _not_yet(f"sharding_strategy={strategy}")
     if cpu_offload.offload_params:
@@ -280,8 +280,6 @@ def _refuse_unimplemented(strategy, cpu_offload: CPUOffload, mixed_precision: Mi
     mp = mixed_precision
     if mp.param_dtype is not None or mp.reduce_dtype is not None or mp.buffer_dtype is not None:
         raise _not_yet("mixed_precision with param_dtype/reduce_dtype/buffer_dtype")
-    if device_mesh is not None and device_mesh.ndim != 1:
-        raise _not_yet("a 2-D device_mesh (hybrid sharding)")
 
 
 def _resolve_ignored(
@@ -312,6 +310,8 @@ def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
     if isinstance(process_group, tuple):
         raise _not_yet("a (shard_group, replicate_group) process_group tuple (hybrid sharding)")
     if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise _not_yet("a 2-D device_mesh (hybrid sharding)")
         return device_mesh.get_group()
     if not dist.is_initialized():
         raise RuntimeError(

@@ -1,0 +1,161 @@
+"""The runtime state machine: no_grad/inference/eval forwards, several forwards before one backward, forwards never
+backpropagated, what is sharded when, manual wrapping, and the flat-parameter layout metadata against torch's."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+from parameterized import parameterized
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import models
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy.runtime import TrainingState
+from fsdp_legacy.wrap import enable_wrap, wrap
+from fsdp_utils import Config, assert_close, build_ours, build_torch_fsdp, full_params, loss_of, optimizer
+from harness import run_on_ranks
+
+
+def _unsharded_storage(unit: FSDP) -> int:
+    return unit._handle.full_padded.untyped_storage().size()
+
+
+def _is_sharded(unit: FSDP) -> bool:
+    handle = unit._handle
+    return handle.flat_param.numel() == handle.layout.shard_numel and _unsharded_storage(unit) == 0
+
+
+def _no_grad_paths(strategy: str, use_orig_params: bool) -> None:
+    config = Config("net", strategy, "block", use_orig_params)
+    reference, ours = build_ours(config)
+    ddp = DDP(reference)
+    units = FSDP.fsdp_modules(ours)
+    x = models.Net.batch(dist.get_rank())
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            out = ours(x)
+        assert not out.requires_grad
+        assert all(_is_sharded(u) for u in units), f"{context.__name__}: every unit, the root too, reshards"
+        assert all(u.training_state == TrainingState.IDLE for u in units)
+        with torch.no_grad():
+            assert_close(out, ddp(x), f"{context.__name__} forward output")
+    ours.eval()
+    with torch.no_grad():
+        ours(x)
+    ours.train()
+    # Backward through a no_grad output is autograd's own error, and FSDP stays usable afterwards.
+    with torch.no_grad():
+        out = ours(x)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out.sum().backward()
+    # Then training proceeds exactly like DDP.
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for step in range(3):
+        batch = models.Net.batch(10 * step + dist.get_rank())
+        for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
+            loss_of(model(batch)).backward()
+            opt.step()
+            opt.zero_grad()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), name)
+    assert all(_is_sharded(u) for u in units), "everything resharded after backward"
+
+
+@parameterized.expand([(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP") for u in (False, True)])
+def test_no_grad_inference_and_eval(strategy: str, use_orig_params: bool) -> None:
+    run_on_ranks(_no_grad_paths, 2, strategy, use_orig_params)
+
+
+def _what_is_sharded_when(strategy: str) -> None:
+    _, ours = build_ours(Config("net", strategy, "block"))
+    root, block = FSDP.fsdp_modules(ours)
+    loss = loss_of(ours(models.Net.batch(0)))
+    if strategy == "FULL_SHARD":
+        assert _unsharded_storage(block) == 0, "FULL_SHARD frees a non-root unit after its forward"
+    else:
+        assert _unsharded_storage(block) > 0, "SHARD_GRAD_OP keeps it until backward"
+    assert _unsharded_storage(root) > 0, "the root keeps its parameters for the backward that follows"
+    loss.backward()
+    assert _is_sharded(root) and _is_sharded(block)
+    assert block._handle.flat_param.grad.shape == block._handle.flat_param.shape
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_unsharded_memory_is_freed(strategy: str) -> None:
+    run_on_ranks(_what_is_sharded_when, 2, strategy)
+
+
+def _several_forwards(use_orig_params: bool, prefetch: bool) -> None:
+    """Two forwards then one backward; then a forward that is never backpropagated; then a normal step."""
+    config = Config("transformer", "FULL_SHARD", "block", use_orig_params, forward_prefetch=prefetch)
+    reference, ours = build_ours(config)
+    ddp = DDP(reference)
+    x1, x2 = models.Transformer.batch(dist.get_rank()), models.Transformer.batch(7 + dist.get_rank())
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
+        (model(x1) + 2 * model(x2)).backward()
+        opt.step()
+        opt.zero_grad()
+        model(x1)  # never backpropagated
+        loss_of(model(x2)).backward()
+        opt.step()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), name)
+
+
+@parameterized.expand([(False, False), (True, True)])
+def test_several_forwards_before_backward(use_orig_params: bool, prefetch: bool) -> None:
+    run_on_ranks(_several_forwards, 2, use_orig_params, prefetch)
+
+
+def _manual_wrap(use_orig_params: bool) -> None:
+    torch.manual_seed(0)
+    reference = models.Nested()
+    torch.manual_seed(0)
+    with enable_wrap(wrapper_cls=FSDP, use_orig_params=use_orig_params):
+        ours = wrap(models.Nested(wrap=wrap))
+    assert isinstance(ours, FSDP)
+    assert [type(u.module).__name__ for u in FSDP.fsdp_modules(ours)] == ["Nested", "Linear", "Sequential", "Linear"]
+    ddp = DDP(reference)
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for step in range(3):
+        x = models.Nested.batch(step * 10 + dist.get_rank())
+        for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), name)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_manual_wrap_matches_ddp(use_orig_params: bool) -> None:
+    run_on_ranks(_manual_wrap, 2, use_orig_params)
+
+
+def _layout_matches_torch(model: str, use_orig_params: bool) -> None:
+    config = Config(model, "FULL_SHARD", "block", use_orig_params)
+    _, ours = build_ours(config)
+    theirs = build_torch_fsdp(config)
+    for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs)):
+        ours_flat, theirs_flat = a._flat_param, b._flat_param
+        assert list(ours_flat._fqns) == list(theirs_flat._fqns)
+        assert list(ours_flat._shapes) == list(theirs_flat._shapes)
+        assert list(ours_flat._numels_with_padding) == list(theirs_flat._numels_with_padding)
+        assert torch.equal(ours_flat.detach(), theirs_flat.detach()), "the local shard, element for element"
+        theirs_shared = [(s.param_name, s.module_name, s.prim_param_name, s.prim_module_name)
+                         for s in theirs_flat._shared_param_infos]
+        ours_shared = [(s.param_name, s.module_name, s.primary.param_name, s.primary.module_name)
+                       for s in a._handle.layout.shared]
+        assert ours_shared == theirs_shared
+    ours_names = [(n, p.shape) for n, p in ours.named_parameters()]
+    theirs_names = [(n, p.shape) for n, p in theirs.named_parameters()]
+    assert ours_names == theirs_names
+
+
+@parameterized.expand([(m, u, w) for m in ("net", "transformer") for u in (False, True) for w in (2, 4)])
+def test_layout_matches_torch(model: str, use_orig_params: bool, world_size: int) -> None:
+    run_on_ranks(_layout_matches_torch, world_size, model, use_orig_params)
