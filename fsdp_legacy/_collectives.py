@@ -5,6 +5,8 @@ so communication overlaps compute; on NCCL it runs on NCCL's internal stream, an
 stream wait for it (tensors handed to an async NCCL op are kept alive by c10d until it completes).
 """
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -19,8 +21,29 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-    """Sum `full` (world_size * output.numel() elements) across ranks; rank r keeps chunk r in `output`."""
+    """Sum `full` (world_size * output.numel() elements) across ranks; rank r keeps chunk r in `output`.
+
+    `full` is consumed: its contents are undefined afterwards.
+    """
+    if dist.get_backend(group) == "gloo":
+        return _AllReduceThenSlice(output, full, group)
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+class _AllReduceThenSlice:
+    """gloo runs a reduce-scatter as an all-reduce on a temporary copy of its input. Reducing the input in place and
+    keeping our chunk moves the same bytes without that full-size copy."""
+
+    def __init__(self, output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup):
+        self._output, self._full, self._rank = output, full, group.rank()
+        self._work: Optional[dist.Work] = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._output.copy_(self._full.view(-1, self._output.numel())[self._rank])
+        return True
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:

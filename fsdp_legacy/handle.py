@@ -96,7 +96,9 @@ class FlatParamHandle:
             self.local_shard = full[: layout.numel] if layout.padded_numel != layout.numel else full
             self.full_padded = self.local_shard
         self.flat_param = FlatParameter.create(self.local_shard, layout, requires_grad)
-        self.orig_params: dict[ParamInfo, nn.Parameter] = originals
+        # use_orig_params=True keeps the original Parameters (as views of the shard); otherwise they are released,
+        # and their storage with them, so the unsharded model does not outlive construction.
+        self.orig_params: dict[ParamInfo, nn.Parameter] = originals if use_orig_params else {}
         self._local_pieces = {piece.info: piece for piece in layout.shard_pieces(self.rank)} if sharded else {}
         self._orig_grad_views: dict[ParamInfo, Optional[torch.Tensor]] = {}
         for info, param in originals.items():
@@ -106,6 +108,7 @@ class FlatParamHandle:
         else:
             for info in layout.params:
                 del info.module._parameters[info.param_name]
+                originals[info].data = torch.empty(0, dtype=dtype, device=device)
             for shared in layout.shared:
                 del shared.module._parameters[shared.param_name]
             self._placeholders = {info: torch.empty(info.shape, device="meta", dtype=dtype) for info in layout.params}
@@ -114,12 +117,15 @@ class FlatParamHandle:
     # ----------------------------------------------------------------------------------------------------------------
     # Unshard / reshard
 
+    @property
+    def needs_unshard(self) -> bool:
+        return not self.is_unsharded and self.unshard_work is None
+
     def unshard(self) -> None:
         """Issue the all-gather of the full flat parameter (asynchronously); `wait_unshard` completes it."""
-        if self.is_unsharded or self.unshard_work is not None:
-            return
-        _alloc(self.full_padded)
-        self.unshard_work = comm.all_gather(self.full_padded, self.local_shard, self.group)
+        if self.needs_unshard:
+            _alloc(self.full_padded)
+            self.unshard_work = comm.all_gather(self.full_padded, self.local_shard, self.group)
 
     def wait_unshard(self) -> None:
         if self.is_unsharded:
@@ -232,24 +238,32 @@ class FlatParamHandle:
             if view is not None:
                 self._orig_grad_views[info] = view
 
-    def reduce_grad(self) -> Optional[PendingReduction]:
-        """Issue the reduction of this backward's unsharded gradient; sharded strategies reduce-scatter it."""
+    def take_unsharded_grad(self) -> Optional[torch.Tensor]:
+        """This backward's gradient, taken off the flat parameter (sharded strategies) so it can reshard first."""
         grad = self.flat_param.grad
+        if self.sharded:
+            self.flat_param.grad = None
+        return grad
+
+    def reduce_grad(self, grad: Optional[torch.Tensor]) -> Optional[PendingReduction]:
+        """Issue the reduction of the unsharded gradient; sharded strategies reduce-scatter it, NO_SHARD all-reduces
+        it in place (it stays the flat parameter's gradient)."""
         if grad is None or self.world_size == 1:
             return None
         pre, post = comm.gradient_divide_factors(self.world_size)
-        if self.sharded:
-            self.flat_param.grad = None
-            if pre > 1:
-                grad.div_(pre)
-            output = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-            return PendingReduction(self, comm.reduce_scatter(output, grad, self.group), output, grad, post)
         if pre > 1:
             grad.div_(pre)
+        if self.sharded:
+            output = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+            return PendingReduction(self, comm.reduce_scatter(output, grad, self.group), output, grad, post)
         return PendingReduction(self, comm.all_reduce(grad, self.group), grad, grad, post)
 
     def finish_reduction(self, pending: PendingReduction) -> None:
         pending.work.wait()
+        if self.sharded and pending.input.device.type == "cpu":
+            # The unsharded gradient is dead now; free it at once rather than whenever the backend's work object
+            # (which keeps its inputs) is released.
+            _free(pending.input)
         if pending.post_divide > 1:
             pending.output.div_(pending.post_divide)
         if self.sharded:

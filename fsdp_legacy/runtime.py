@@ -25,7 +25,11 @@ from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel
 
-MAX_PENDING_REDUCTIONS = 2
+# Gradient reductions left in flight while backward goes on. On CUDA one overlaps the reduce-scatter (on NCCL's
+# stream) with the next unit's backward, as torch FSDP1 does. On CPU the unsharded gradient it keeps alive raises
+# the peak that falls at the start of backward, and gloo's ~1 ms latency per collective showed no measurable gain
+# from the overlap, so reductions complete at once there, as in torch FSDP1 on CPU.
+MAX_PENDING_REDUCTIONS = {"cuda": 1}
 # On CUDA the CPU runs ahead of the GPU; this many resharded-but-not-yet-executed units are allowed before the
 # CPU waits, which bounds the memory of all-gathers issued ahead (torch FSDP1's limit_all_gathers).
 MAX_INFLIGHT_RESHARDS = 2
@@ -122,13 +126,15 @@ class Runtime:
         self._queue_backward_callback()
         handle = unit._handle
         handle.training_state = HandleTrainingState.BACKWARD_POST
-        pending = handle.reduce_grad()
+        grad = handle.take_unsharded_grad()
+        if handle.sharded:
+            self._reshard(handle)  # before reducing, as torch FSDP1 does: the parameters are no longer needed
+        pending = handle.reduce_grad(grad)
+        del grad
         if pending is not None:
             self.pending.append(pending)
-            if len(self.pending) > MAX_PENDING_REDUCTIONS:
+            if len(self.pending) > MAX_PENDING_REDUCTIONS.get(self.compute_device.type, 0):
                 self._finish_oldest_reduction()
-        if handle.sharded:
-            self._reshard(handle)
         handle.post_backward_done = True
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch_for_backward(handle)
@@ -167,7 +173,9 @@ class Runtime:
             self._prefetch(upcoming)
 
     def _issue_unshard(self, handle: FlatParamHandle) -> None:
-        if self.limit_all_gathers and not handle.is_unsharded and handle.unshard_work is None:
+        if not handle.needs_unshard:
+            return
+        if self.limit_all_gathers:
             while len(self.reshard_events) >= MAX_INFLIGHT_RESHARDS:
                 self.reshard_events.popleft().synchronize()
         handle.unshard()

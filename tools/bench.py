@@ -1,0 +1,459 @@
+"""Benchmark fsdp_legacy ("ours") against torch's FSDP1, FSDP2 and DDP on the same models.
+
+    python tools/bench.py                              # 2 ranks, gloo on CPU (nccl on CUDA)
+    python tools/bench.py --steps 3 --warmup 1 --rounds 1 --impls torch_fsdp1,fsdp2,ddp
+    python tools/bench.py --out docs/benchmarks.md     # also rewrite the table in that file
+
+The script spawns its own ranks. Every rank builds each model from the same seed and feeds
+every implementation the same per-rank batch. A step is forward + backward + SGD(momentum)
+step. Timed steps run interleaved (A B C D A B C D ...) so drift on a shared machine hits all
+implementations alike; each step time is the slowest rank's, and the table shows the median.
+
+Peak memory is measured in a separate, untimed pass per implementation (built alone, one
+warm-up step, then one measured step) so the measurement costs nothing in the timings:
+on CUDA with ``torch.cuda.max_memory_allocated``; on CPU with a ``TorchDispatchMode`` that
+tracks the bytes of every live tensor storage (see ``LiveBytes``). Both count parameters,
+gradients, optimizer state, activations and communication buffers of that implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+)
+from torch.utils._pytree import tree_leaves
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import fsdp_legacy from the checkout
+from gpt import GPT, Block, DeepMLP, GPTConfig, MLPBlock
+
+IMPLS = ["ours", "torch_fsdp1", "fsdp2", "ddp"]
+MODELS = ["gpt", "mlp"]
+BASELINE = "torch_fsdp1"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+# --------------------------------------------------------------------------------------
+# Workloads: model + fixed per-rank batch + loss
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    build: Callable[[], nn.Module]  # same init on every call (seeded)
+    unit: type[nn.Module]  # the class that becomes one FSDP unit
+    loss: Callable[[nn.Module], torch.Tensor]  # forward on the fixed batch
+    desc: str
+
+
+def make_workload(name: str, rank: int, device: torch.device, seed: int) -> Workload:
+    g = torch.Generator().manual_seed(seed + 1 + rank)  # ranks get different data
+
+    def seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            torch.manual_seed(seed)
+            return factory()
+
+        return build
+
+    if name == "gpt":
+        cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=8, n_head=4, d_model=256)
+        x = torch.randint(cfg.vocab_size, (4, cfg.block_size), generator=g).to(device)
+        y = torch.randint(cfg.vocab_size, (4, cfg.block_size), generator=g).to(device)
+        return Workload(
+            seeded(lambda: GPT(cfg)), Block, lambda m: m(x, y)[1], "GPT 8 x d256, batch 4 x 128 tokens"
+        )
+    if name == "mlp":
+        x = torch.randn(64, 128, generator=g).to(device)
+        y = torch.randn(64, 128, generator=g).to(device)
+        return Workload(
+            seeded(lambda: DeepMLP(d=128, n_blocks=64)),
+            MLPBlock,
+            lambda m: F.mse_loss(m(x), y),
+            "DeepMLP 64 x d128, batch 64",
+        )
+    raise ValueError(f"unknown model {name!r}")
+
+
+def wrap(impl: str, module: nn.Module, unit: type[nn.Module], device: torch.device) -> nn.Module:
+    """Shard/replicate ``module`` with ``impl``, one unit per ``unit`` instance (FSDP-style)."""
+    if impl in ("ours", "torch_fsdp1"):
+        fsdp = importlib.import_module("fsdp_legacy" if impl == "ours" else "torch.distributed.fsdp")
+        policy = importlib.import_module(f"{fsdp.__name__}.wrap").ModuleWrapPolicy({unit})
+        # Identical arguments: ours is a drop-in replacement.
+        return fsdp.FullyShardedDataParallel(module, auto_wrap_policy=policy, device_id=device)
+    if impl == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for m in module.modules():
+            if isinstance(m, unit):
+                fully_shard(m, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        return module
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(module.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+class Runner:
+    """One implementation wrapping one model, plus its optimizer."""
+
+    def __init__(self, impl: str, wl: Workload, device: torch.device) -> None:
+        self.wl, self.device = wl, device
+        self.model = wrap(impl, wl.build(), wl.unit, device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step(self) -> None:
+        self.wl.loss(self.model).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def steps(self, n: int) -> bool:
+        for _ in range(n):
+            self.step()
+        return True
+
+
+# --------------------------------------------------------------------------------------
+# Peak memory
+# --------------------------------------------------------------------------------------
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks the bytes of live tensor storages seen while active, and their peak.
+
+    Every storage an op touches is registered once, with a weakref callback that subtracts
+    it when it dies. ``UntypedStorage.resize_`` (how FSDP frees and re-allocates unsharded
+    parameters) bypasses the dispatcher, so it is patched while the mode is active.
+    A CPU stand-in for ``torch.cuda.max_memory_allocated``: it misses kernel-internal
+    scratch memory and allocator overhead, which no implementation here controls.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes: dict[int, int] = {}  # id(storage) -> bytes currently counted
+        self.refs: dict[int, weakref.ref] = {}  # keeps the weakref callbacks alive
+        self.live = self.peak = 0
+        self._orig_resize = torch.UntypedStorage.resize_
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _account(self, st: torch.UntypedStorage) -> None:
+        key = id(st)
+        ref = self.refs.get(key)
+        if ref is None or ref() is not st:
+            self.refs[key] = weakref.ref(st, partial(self._freed, key))
+            self.nbytes[key] = 0
+        new = st.nbytes()
+        self.live += new - self.nbytes[key]
+        self.nbytes[key] = new
+        self.peak = max(self.peak, self.live)
+
+    def _freed(self, key: int, ref: weakref.ref) -> None:
+        if self.refs.get(key) is ref:
+            self.live -= self.nbytes.pop(key)
+            del self.refs[key]
+
+    def _storages(self, t: torch.Tensor) -> list[torch.UntypedStorage]:
+        if is_traceable_wrapper_subclass(t):  # e.g. DTensor (FSDP2): count its local tensors
+            attrs, _ = t.__tensor_flatten__()
+            inner = [getattr(t, a) for a in attrs]
+            return [s for x in inner if isinstance(x, torch.Tensor) for s in self._storages(x)]
+        if t.device.type == "meta":
+            return []
+        return [t.untyped_storage()]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves((out, args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                for st in self._storages(t):
+                    self._account(st)
+        return out
+
+    def __enter__(self) -> LiveBytes:
+        mode = self
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            result = mode._orig_resize(st, size)
+            mode._account(st)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+
+def measure_peak_mib(impl: str, wl: Workload, device: torch.device) -> float:
+    """Peak bytes (MiB) of one step of ``impl`` built alone: persistent state + transients."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        runner = Runner(impl, wl, device)
+        runner.step()  # creates optimizer state: part of the steady state
+        torch.cuda.reset_peak_memory_stats()
+        runner.step()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        with LiveBytes() as tracker:
+            runner = Runner(impl, wl, device)
+            runner.step()
+            tracker.reset_peak()
+            runner.step()
+        peak = tracker.peak
+    del runner
+    gc.collect()
+    return peak / 2**20
+
+
+# --------------------------------------------------------------------------------------
+# The benchmark (runs on every rank)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    model: str
+    impl: str
+    times: list[float] = field(default_factory=list)  # seconds, slowest rank per step
+    peak_mib: float | None = None
+    errors: list[str] = field(default_factory=list)  # "phase: first line of the exception"
+
+
+def comm_device() -> torch.device:
+    """Where small bookkeeping tensors must live for the backend's collectives."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def log(msg: str) -> None:
+    """Progress on stderr from rank 0, so stdout stays the report."""
+    if dist.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def all_ok(ok: bool) -> bool:
+    """True only if ``ok`` on every rank: keeps ranks in lockstep after a failure."""
+    flag = torch.tensor([0 if ok else 1], device=comm_device())
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def guarded(row: Row, phase: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn``; on failure (on any rank) record the error in ``row`` and return None."""
+    try:
+        result, err = fn(), None
+    except Exception as e:  # noqa: BLE001 - one broken implementation must not stop the others
+        result, err = None, f"{type(e).__name__}: {e}".splitlines()[0]
+        if dist.get_rank() == 0:
+            traceback.print_exc()
+    if not all_ok(err is None):
+        row.errors.append(f"{phase}: {err or 'failed on another rank'}")
+        return None
+    return result
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> list[Row]:
+    wl = make_workload(name, dist.get_rank(), device, args.seed)
+    rows = {impl: Row(name, impl) for impl in args.impls}
+
+    log(f"[{name}] memory pass: {', '.join(rows)}")
+    for impl, row in rows.items():
+        row.peak_mib = guarded(row, "memory pass", partial(measure_peak_mib, impl, wl, device))
+
+    log(f"[{name}] build + {args.warmup} warm-up steps each")
+    runners: dict[str, Runner] = {}
+    for impl, row in rows.items():
+        runner = guarded(row, "build", partial(Runner, impl, wl, device))
+        if runner is not None and guarded(row, "warm-up", partial(runner.steps, args.warmup)):
+            runners[impl] = runner
+
+    for rnd in range(args.rounds):
+        for impl, runner in list(runners.items()):
+            times = guarded(rows[impl], "timed step", partial(timed_steps, runner, args.steps))
+            if times is None:
+                del runners[impl]
+            else:
+                rows[impl].times += times
+        log(f"[{name}] round {rnd + 1}/{args.rounds} done")
+    return list(rows.values())
+
+
+def timed_steps(runner: Runner, n: int) -> list[float]:
+    times = torch.zeros(n, dtype=torch.float64, device=comm_device())
+    for i in range(n):
+        dist.barrier()  # start together, so a step's time is not another rank's lag
+        t0 = time.perf_counter()
+        runner.step()
+        times[i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    return times.tolist()
+
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+
+
+def render(rows: list[Row], args: argparse.Namespace, descs: dict[str, str], env: str) -> str:
+    if env.startswith("cuda"):
+        mem = "torch.cuda.max_memory_allocated"
+    else:
+        mem = "live tensor storages (TorchDispatchMode)"
+    setup = (
+        f"torch {torch.__version__}, {args.nproc} ranks, {env}; "
+        f"{args.rounds} rounds x {args.steps} timed steps after {args.warmup} warm-up; "
+        f"step = forward + backward + SGD(momentum); peak memory per rank from {mem}."
+    )
+    lines = [
+        setup,
+        "",
+        "| model | impl | median step (ms) | vs torch FSDP1 | peak MiB / rank | notes |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    base = {r.model: statistics.median(r.times) for r in rows if r.impl == BASELINE and r.times}
+    for r in rows:
+        med = statistics.median(r.times) if r.times else None
+        ms = f"{med * 1e3:.1f}" if med is not None else "n/a"
+        ratio = f"{med / base[r.model]:.2f}x" if med is not None and r.model in base else "n/a"
+        peak = f"{r.peak_mib:.1f}" if r.peak_mib is not None else "n/a"
+        notes = "; ".join(e[:120] for e in r.errors).replace("|", "\\|")
+        lines.append(f"| {r.model} | {r.impl} | {ms} | {ratio} | {peak} | {notes} |")
+    lines += ["", "Models: " + "; ".join(f"`{m}` = {d}" for m, d in descs.items()) + "."]
+    return "\n".join(lines)
+
+
+def write_report(path: Path, report: str) -> None:
+    """Put ``report`` in ``path`` between markers, keeping the prose around them.
+
+    Without markers, the file's first markdown table is replaced (or the block appended).
+    """
+    block = f"{BEGIN}\n{report}\n{END}"
+    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        lines = text.splitlines()
+        table = [i for i, line in enumerate(lines) if line.lstrip().startswith("|")]
+        if table:
+            first = last = table[0]
+            while last + 1 in table:
+                last += 1
+            lines[first : last + 1] = block.splitlines()
+            text = "\n".join(lines) + "\n"
+        else:
+            text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+# --------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------
+
+
+def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    torch.set_num_threads(args.threads)  # ranks share the cores: same budget for every impl
+    store = dist.FileStore(store_path, args.nproc)
+    # A finite timeout turns a rank stuck on a peer's failure into an error instead of a hang.
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=store,
+        rank=rank,
+        world_size=args.nproc,
+        timeout=timedelta(minutes=10),
+    )
+
+    rows: list[Row] = []
+    descs: dict[str, str] = {}
+    for name in args.models:
+        descs[name] = make_workload(name, rank, device, args.seed).desc
+        rows += bench_model(name, args, device)
+
+    if rank == 0:
+        if cuda:
+            env = f"cuda ({torch.cuda.get_device_name()}), nccl"
+        else:
+            env = f"CPU, gloo, {args.threads} thread(s) per rank"
+        report = render(rows, args, descs, env)
+        print(report, flush=True)
+        if args.out:
+            write_report(Path(args.out), report)
+            print(f"wrote {args.out}", flush=True)
+    dist.destroy_process_group()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per implementation per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation first")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the implementations")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads per rank (default: cores / nproc)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="markdown file whose benchmark table to rewrite")
+    args = p.parse_args()
+    args.models = [m for m in args.models.split(",") if m]
+    args.impls = [i for i in args.impls.split(",") if i]
+    for value, known in ((args.models, MODELS), (args.impls, IMPLS)):
+        unknown = set(value) - set(known)
+        if unknown:
+            p.error(f"unknown {sorted(unknown)}; choose from {known}")
+    if args.threads is None:
+        args.threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.nproc, join=True)
+
+
+if __name__ == "__main__":
+    main()
