@@ -159,3 +159,25 @@ def _layout_matches_torch(model: str, use_orig_params: bool) -> None:
 @parameterized.expand([(m, u, w) for m in ("net", "transformer") for u in (False, True) for w in (2, 4)])
 def test_layout_matches_torch(model: str, use_orig_params: bool, world_size: int) -> None:
     run_on_ranks(_layout_matches_torch, world_size, model, use_orig_params)
+
+
+def _originals_released(use_orig_params: bool) -> None:
+    torch.manual_seed(0)
+    net = models.Net()
+    originals = {name: p for name, p in net.named_parameters()}
+    fsdp = FSDP(net, use_orig_params=use_orig_params)
+    handle = fsdp._handle
+    shard_bytes = handle.local_shard.untyped_storage().nbytes()
+    assert shard_bytes == handle.layout.shard_numel * 4
+    for name, param in originals.items():
+        if use_orig_params:
+            # The original parameter is now a 1-D view into the local shard: no storage of its own.
+            assert param.untyped_storage().data_ptr() == handle.local_shard.untyped_storage().data_ptr(), name
+        else:
+            assert param.untyped_storage().nbytes() == 0, f"{name} still holds its unsharded data"
+    assert handle.full_padded.untyped_storage().nbytes() == 0, "no unsharded buffer outside forward"
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_construction_keeps_only_the_shard(use_orig_params: bool) -> None:
+    run_on_ranks(_originals_released, 2, use_orig_params)
