@@ -181,3 +181,25 @@ def _originals_released(use_orig_params: bool) -> None:
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_construction_keeps_only_the_shard(use_orig_params: bool) -> None:
     run_on_ranks(_originals_released, 2, use_orig_params)
+
+
+def _accumulation(strategy: str, use_orig_params: bool) -> None:
+    """Two backward passes without zero_grad in between add up, as in DDP (the saved sharded gradient path)."""
+    config = Config("net", strategy, "block", use_orig_params)
+    reference, ours = build_ours(config)
+    ddp = DDP(reference)
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for step in range(2):
+        for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
+            for micro in range(2):
+                loss_of(model(models.Net.batch(100 * step + 10 * micro + dist.get_rank()))).backward()
+            opt.step()
+            opt.zero_grad()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), name)
+
+
+@parameterized.expand([(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for u in (False, True)])
+def test_gradient_accumulation_without_zero_grad(strategy: str, use_orig_params: bool) -> None:
+    run_on_ranks(_accumulation, 2, strategy, use_orig_params)
