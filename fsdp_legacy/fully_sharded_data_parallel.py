@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import state_dict as _state_dict
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import FlatParameter, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
@@ -137,6 +138,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         if self._handle is not None and not use_orig_params:
             module.register_parameter(FLAT_PARAM, self._handle.flat_param)
+        _state_dict.init_unit(self)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Construction helpers
@@ -234,6 +236,13 @@ class FullyShardedDataParallel(nn.Module):
             return units
         nested = {id(inner) for unit in units for inner in unit.modules() if inner is not unit}
         return [unit for unit in units if id(unit) not in nested]
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # State dicts (state_dict.py)
+
+    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
+    get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
+    state_dict_type = staticmethod(_state_dict.state_dict_type)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Features that land in later work: refuse clearly instead of silently doing the wrong thing.
