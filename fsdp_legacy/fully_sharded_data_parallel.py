@@ -16,10 +16,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import state_dict as _state_dict
+from .clip_grad import clip_grad_norm_
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import FlatParameter, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
 from .runtime import Runtime, TrainingState
+from .summon import summon_full_params
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
@@ -58,9 +60,7 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         sharding_strategy = _coerce(ShardingStrategy, sharding_strategy) or ShardingStrategy.FULL_SHARD
         backward_prefetch = _coerce(BackwardPrefetch, backward_prefetch)
-        mixed_precision = mixed_precision or MixedPrecision()
-        cpu_offload = cpu_offload or CPUOffload()
-        _refuse_unimplemented(sharding_strategy, cpu_offload, mixed_precision)
+        _refuse_unimplemented(sharding_strategy, cpu_offload or CPUOffload(), mixed_precision or MixedPrecision())
 
         self._ignored_modules, self._ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
         self.process_group = _resolve_group(process_group, device_mesh)
@@ -106,8 +106,8 @@ class FullyShardedDataParallel(nn.Module):
                 FutureWarning,
             )
         self.sharding_strategy = sharding_strategy
-        self.cpu_offload = cpu_offload
-        self.mixed_precision = mixed_precision
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self.mixed_precision = mixed_precision or MixedPrecision()
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
@@ -247,18 +247,69 @@ class FullyShardedDataParallel(nn.Module):
     # ----------------------------------------------------------------------------------------------------------------
     # Features that land in later work: refuse clearly instead of silently doing the wrong thing.
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        raise _not_yet("FSDP.no_sync()")
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without communication (root only). The unsharded gradients of every unit are kept
+        until the first backward outside the context reduces them: memory grows by the unsharded model size, like
+        DDP's gradients."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError(
+                "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on root FSDP module."
+            )
+        self._assert_state(TrainingState.IDLE)
+        units = FullyShardedDataParallel.fsdp_modules(self)
+        previous = [unit._sync_gradients for unit in units]
+        for unit in units:
+            unit._sync_gradients = False
+        try:
+            yield
+        finally:
+            for unit, flag in zip(units, previous):
+                unit._sync_gradients = flag
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        raise _not_yet("FSDP.clip_grad_norm_()")
+        """Clip the gradients of all units by their total norm (that of the full gradients); returns that norm."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
+        self._assert_state(TrainingState.IDLE)
+        handles = [unit._handle for unit in FullyShardedDataParallel.fsdp_modules(self) if unit._handle is not None]
+        return clip_grad_norm_(self, handles, self.process_group, max_norm, norm_type)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         raise _not_yet("FSDP.register_comm_hook()")
 
     @staticmethod
-    def summon_full_params(module: nn.Module, *args: Any, **kwargs: Any) -> Iterator[None]:
-        raise _not_yet("FSDP.summon_full_params()")
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> contextlib.AbstractContextManager:
+        """Gather the full parameters of the FSDP units in `module` (only the outermost ones if not `recurse`) for
+        the duration of the context; edits persist with `writeback`. Works on CPU with offload_to_cpu, and with_grads
+        works for use_orig_params=False too."""
+        units = FullyShardedDataParallel.fsdp_modules(module, root_only=not recurse)
+        return summon_full_params(units, writeback, rank0_only, offload_to_cpu, with_grads)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """nn.Module.apply with this unit's full parameters in place (each nested unit gathers its own), edits kept."""
+        with FullyShardedDataParallel.summon_full_params(self, recurse=False, writeback=True):
+            return super().apply(fn)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """Inside summon_full_params on this unit the names are the original ones (no `_fsdp_wrapped_module.`)."""
+        clean = self.training_state == TrainingState.SUMMON_FULL_PARAMS
+        for name, param in super().named_parameters(*args, **kwargs):
+            yield (name.replace(FSDP_PREFIX, "") if clean else name), param
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        clean = self.training_state == TrainingState.SUMMON_FULL_PARAMS
+        for name, buffer in super().named_buffers(*args, **kwargs):
+            yield (name.replace(FSDP_PREFIX, "") if clean else name), buffer
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class FlatParamHandle:
         self.unshard_work: Optional[dist.Work] = None
         self.saved_grad: Optional[torch.Tensor] = None
         self.new_grad: Optional[torch.Tensor] = None  # this backward's reduced sharded gradient
+        self.unsynced_grad: Optional[torch.Tensor] = None  # unsharded gradients accumulated under no_sync()
         self.needs_pre_backward = False  # set in forward, cleared by the first pre-backward hook
         self.post_backward_done = False
 
@@ -133,7 +134,9 @@ class FlatParamHandle:
         self.unshard()
         self.unshard_work.wait()
         self.unshard_work = None
-        self.saved_grad, self.flat_param.grad = self.flat_param.grad, None
+        grad, self.flat_param.grad = self.flat_param.grad, None
+        if grad is not None and not self._is_unsynced(grad):
+            self.saved_grad = grad
         self.flat_param.data = self.full_padded
         self.is_unsharded = True
 
@@ -147,7 +150,8 @@ class FlatParamHandle:
             self.unshard_work = None
         if self.is_unsharded:
             self.flat_param.data = self.local_shard
-            self.flat_param.grad, self.saved_grad = self.saved_grad, None
+            if self.unsynced_grad is None:  # under no_sync the sharded gradient waits for the next reduction
+                self.flat_param.grad, self.saved_grad = self.saved_grad, None
             self.is_unsharded = False
         _free(self.full_padded)
 
@@ -209,7 +213,7 @@ class FlatParamHandle:
 
     def sync_grad_from_orig_params(self) -> None:
         """use_orig_params=True: adopt what the user did to the original gradients (zero_grad(set_to_none), edits)."""
-        if not self.use_orig_params or (self.sharded and self.is_unsharded):
+        if not self.use_orig_params or (self.sharded and self.is_unsharded) or self.unsynced_grad is not None:
             return
         flat_grad = self.flat_param.grad
         grads = {info: p.grad for info, p in self.orig_params.items() if info in self._orig_grad_views}
@@ -245,6 +249,37 @@ class FlatParamHandle:
             self.flat_param.grad = None
         return grad
 
+    def accumulate_unsynced(self, grad: Optional[torch.Tensor]) -> None:
+        """no_sync(): keep the unsharded gradient, unreduced, adding it to those of earlier no_sync backwards."""
+        if grad is None:
+            return
+        if self.unsynced_grad is None:
+            self.unsynced_grad = grad
+        else:
+            self.unsynced_grad.add_(grad)
+
+    def take_unsynced_into(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The first synchronised backward after no_sync() reduces the no_sync gradients together with its own."""
+        unsynced, self.unsynced_grad = self.unsynced_grad, None
+        if unsynced is None:
+            return grad
+        return unsynced if grad is None else grad.add_(unsynced)
+
+    def _is_unsynced(self, grad: torch.Tensor) -> bool:
+        return self.unsynced_grad is not None and grad.untyped_storage().data_ptr() == self.unsynced_grad.untyped_storage().data_ptr()
+
+    def _expose_unsynced_grads(self) -> None:
+        """As torch FSDP1 shows them under no_sync(): the flat gradient unsharded and unpadded (use_orig_params=False),
+        or full-shape gradients on the original parameters (True), while the parameters themselves stay sharded."""
+        flat = self.unsynced_grad
+        if not self.use_orig_params:
+            _assign_grad(self.flat_param, flat[: self.layout.numel])
+            return
+        for info, param in self.orig_params.items():
+            if param.requires_grad:
+                _assign_grad(param, flat[info.offset : info.offset + info.numel].view(info.shape))
+        self._orig_grad_views = {}
+
     def reduce_grad(self, grad: Optional[torch.Tensor]) -> Optional[PendingReduction]:
         """Issue the reduction of the unsharded gradient; sharded strategies reduce-scatter it, NO_SHARD all-reduces
         it in place (it stays the flat parameter's gradient)."""
@@ -278,7 +313,9 @@ class FlatParamHandle:
             else:
                 self.flat_param.grad.add_(self.new_grad)
             self.new_grad = None
-        if self.use_orig_params:
+        if self.sharded and self.unsynced_grad is not None:
+            self._expose_unsynced_grads()
+        elif self.use_orig_params:
             self._use_orig_grad_views()
         self.training_state = HandleTrainingState.IDLE
         self.needs_pre_backward = False
@@ -294,6 +331,16 @@ def _uniform(params: list[nn.Parameter], key, what: str):
             "requires_grad)."
         )
     return values.pop()
+
+
+def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Set a gradient whose shape differs from the parameter's current (sharded) data, as torch FSDP1 does under
+    no_sync(): `.grad` assignment checks shapes against `.data`, so the data is swapped for a same-shape stand-in of
+    one element (an expanded view) around the assignment."""
+    data = param.data
+    param.data = grad.new_empty(1).expand(grad.shape)
+    param.grad = grad
+    param.data = data
 
 
 def _free(tensor: torch.Tensor) -> None:

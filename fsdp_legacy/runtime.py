@@ -129,6 +129,13 @@ class Runtime:
         grad = handle.take_unsharded_grad()
         if handle.sharded:
             self._reshard(handle)  # before reducing, as torch FSDP1 does: the parameters are no longer needed
+        if not unit._sync_gradients:
+            if handle.sharded:  # NO_SHARD simply keeps accumulating into .grad
+                handle.accumulate_unsynced(grad)
+            handle.post_backward_done = True
+            return
+        if handle.sharded:
+            grad = handle.take_unsynced_into(grad)
         pending = handle.reduce_grad(grad)
         del grad
         if pending is not None:

@@ -3,6 +3,7 @@
     python tools/bench.py                              # 2 ranks, gloo on CPU (nccl on CUDA)
     python tools/bench.py --steps 3 --warmup 1 --rounds 1 --impls torch_fsdp1,fsdp2,ddp
     python tools/bench.py --out docs/benchmarks.md     # also rewrite the table in that file
+    python tools/bench.py --plot docs/benchmarks.png   # also draw a figure (needs matplotlib)
 
 The script spawns its own ranks. Every rank builds each model from the same seed and feeds
 every implementation the same per-rank batch. A step is forward + backward + SGD(momentum)
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
+import importlib.util
 import os
 import statistics
 import sys
@@ -382,6 +383,48 @@ def write_report(path: Path, report: str) -> None:
     path.write_text(text)
 
 
+def plot(rows: list[Row], path: Path, title: str, descs: dict[str, str]) -> None:
+    """Per model: median step time per impl (ratio vs torch FSDP1 on the bars) and peak MiB."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(
+            "--plot needs matplotlib: pip install matplotlib (or fsdp_legacy[plot])"
+        ) from e
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 6.4), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for col, model in enumerate(models):
+        mrows = [r for r in rows if r.model == model]
+        names = [r.impl for r in mrows]
+        ms = [statistics.median(r.times) * 1e3 if r.times else 0.0 for r in mrows]
+        mib = [r.peak_mib or 0.0 for r in mrows]
+        base = {r.impl: m for r, m in zip(mrows, ms)}.get(BASELINE, 0.0)
+        bar_colors = [colors[IMPLS.index(n) % len(colors)] for n in names]
+        for row, (vals, ylabel) in enumerate(((ms, "median step (ms)"), (mib, "peak MiB / rank"))):
+            ax = axes[row][col]
+            bars = ax.bar(names, vals, color=bar_colors)
+            if row == 0:
+                ax.set_title(f"{descs.get(model, model)}\nlabels: ratio vs {BASELINE}", fontsize=9)
+                labels = [f"{v / base:.2f}x" if base and v else "n/a" for v in vals]
+            else:
+                labels = [f"{v:.1f}" if v else "n/a" for v in vals]
+            ax.bar_label(bars, labels=labels, fontsize=8, padding=2)
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(0, max(vals + [1e-9]) * 1.18)
+            ax.tick_params(axis="x", labelsize=8)
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # --------------------------------------------------------------------------------------
 # Processes
 # --------------------------------------------------------------------------------------
@@ -421,6 +464,10 @@ def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
         if args.out:
             write_report(Path(args.out), report)
             print(f"wrote {args.out}", flush=True)
+        if args.plot:
+            title = f"torch {torch.__version__}, {args.nproc} ranks, {env}"
+            plot(rows, Path(args.plot), title, descs)
+            print(f"wrote {args.plot}", flush=True)
     dist.destroy_process_group()
 
 
@@ -437,6 +484,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="markdown file whose benchmark table to rewrite")
+    p.add_argument("--plot", default=None, help="PNG file to draw the results in (needs matplotlib)")
     args = p.parse_args()
     args.models = [m for m in args.models.split(",") if m]
     args.impls = [i for i in args.impls.split(",") if i]
@@ -444,6 +492,8 @@ def parse_args() -> argparse.Namespace:
         unknown = set(value) - set(known)
         if unknown:
             p.error(f"unknown {sorted(unknown)}; choose from {known}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the long run
+        p.error("--plot needs matplotlib: pip install matplotlib (or fsdp_legacy[plot])")
     if args.threads is None:
         args.threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
     return args

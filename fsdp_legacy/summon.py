@@ -1,0 +1,133 @@
+"""summon_full_params: the full parameters (and optionally gradients) of FSDP units, outside forward/backward.
+
+Inside the context each original parameter is a view of its unit's all-gathered flat parameter, registered under its
+own name (use_orig_params=False) or as the `.data` of the original Parameter (True). On exit, edits are written back
+into the local shards (writeback=True) and the units reshard.
+"""
+
+import contextlib
+import warnings
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+from torch import nn
+
+from . import _collectives as comm
+from .handle import FlatParamHandle, HandleTrainingState
+from .runtime import TrainingState
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    units: list["FullyShardedDataParallel"],
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    if writeback and rank0_only:
+        raise NotImplementedError("writeback=True and rank0_only=True is not supported yet")
+    if offload_to_cpu and not rank0_only:
+        warnings.warn(
+            "offload_to_cpu=True and rank0_only=False may result in the"
+            "unsharded parameters being redundantly copied to CPU memory for "
+            "GPUs sharing the same CPU memory, which risks CPU OOM. We "
+            "recommend using offload_to_cpu=True with rank0_only=True.",
+            stacklevel=3,
+        )
+    for unit in units:
+        if unit.training_state == TrainingState.FORWARD_BACKWARD:
+            raise AssertionError("Cannot manually unshard parameters during forward/backward")
+        if unit.training_state == TrainingState.SUMMON_FULL_PARAMS:
+            raise AssertionError("Cannot manually unshard parameters when already unsharding parameters")
+    with contextlib.ExitStack() as stack:
+        for unit in units:
+            stack.enter_context(_summon_unit(unit, writeback, rank0_only, offload_to_cpu, with_grads))
+        yield
+
+
+@contextlib.contextmanager
+def _summon_unit(
+    unit: "FullyShardedDataParallel", writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+) -> Iterator[None]:
+    unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+    handle = unit._handle
+    try:
+        if handle is None:
+            yield
+            return
+        handle.training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+        handle.wait_unshard()
+        # Gradients are gathered before anything else changes; every rank takes part even if it then discards them.
+        full_grad = _gather_grad(handle) if with_grads else None
+        if rank0_only and handle.rank != 0 and handle.sharded:  # NO_SHARD: every rank holds them anyway
+            handle.reshard()  # this rank keeps its shard; the collective was for rank 0
+            yield
+            return
+        full = handle.full_padded
+        if offload_to_cpu and full.device.type != "cpu":
+            full = full.cpu()
+        _expose(unit, handle, full, full_grad)
+        try:
+            yield
+        finally:
+            if writeback and handle.sharded:
+                n = handle.layout.shard_numel
+                with torch.no_grad():
+                    handle.local_shard.copy_(full[handle.rank * n : (handle.rank + 1) * n])
+            _hide(unit, handle)
+            handle.reshard()
+            if handle.use_orig_params:
+                handle._use_orig_grad_views()
+    finally:
+        if handle is not None:
+            handle.training_state = HandleTrainingState.IDLE
+        unit.training_state = TrainingState.IDLE
+
+
+def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
+    """The unsharded gradient of `handle`, or None when it has none (set aside in saved_grad while unsharded)."""
+    if not handle.sharded:
+        return handle.flat_param.grad
+    grad = handle.saved_grad
+    if grad is None:
+        return None
+    full = torch.empty_like(handle.full_padded)
+    comm.all_gather(full, grad.contiguous(), handle.group).wait()
+    return full
+
+
+def _expose(unit: "FullyShardedDataParallel", handle: FlatParamHandle, full: torch.Tensor,
+            full_grad: Optional[torch.Tensor]) -> None:
+    views = {info: full[info.offset : info.offset + info.numel].view(info.shape) for info in handle.layout.params}
+    if handle.use_orig_params:
+        for info, param in handle.orig_params.items():
+            param.data = views[info]
+            if full_grad is not None and param.requires_grad:
+                param.grad = full_grad[info.offset : info.offset + info.numel].view(info.shape)
+        return
+    wrapped = unit._fsdp_wrapped_module
+    wrapped._parameters.pop("_flat_param", None)
+    requires_grad = handle.flat_param.requires_grad
+    params = {}
+    for info, view in views.items():
+        param = nn.Parameter(view, requires_grad=requires_grad)
+        if full_grad is not None:
+            param.grad = full_grad[info.offset : info.offset + info.numel].view(info.shape)
+        params[info] = param
+    for module, name, info in handle._attributes():
+        module.__dict__.pop(name, None)
+        module._parameters[name] = params[info]
+
+
+def _hide(unit: "FullyShardedDataParallel", handle: FlatParamHandle) -> None:
+    if handle.use_orig_params:
+        handle._use_sharded_orig_params()
+        return
+    for module, name, _ in handle._attributes():
+        module._parameters.pop(name, None)
+    unit._fsdp_wrapped_module.register_parameter("_flat_param", handle.flat_param)
+    handle.drop_unsharded_views()

@@ -1,0 +1,228 @@
+"""no_sync, clip_grad_norm_, summon_full_params and apply, against DDP, nn.utils.clip_grad_norm_ and torch's FSDP1."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+from parameterized import parameterized
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import models
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy.wrap import ModuleWrapPolicy
+from fsdp_utils import Config, assert_close, build_ours, build_torch_fsdp, full_params, loss_of, optimizer
+from harness import run_on_ranks
+
+STRATEGIES_X_UOP = [(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for u in (False, True)]
+
+
+def _batch(step: int, micro: int = 0) -> torch.Tensor:
+    return models.Transformer.batch(100 * step + 10 * micro + dist.get_rank())
+
+
+def _no_sync(strategy: str, use_orig_params: bool) -> None:
+    """Two micro-batches under no_sync, one outside: the same parameters as DDP doing the same."""
+    config = Config("transformer", strategy, "block", use_orig_params)
+    reference, ours = build_ours(config)
+    ddp = DDP(reference)
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for step in range(2):
+        for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
+            with model.no_sync():
+                for micro in range(2):
+                    model(_batch(step, micro)).backward()
+            model(_batch(step, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), name)
+
+
+@parameterized.expand(STRATEGIES_X_UOP)
+def test_no_sync_matches_ddp(strategy: str, use_orig_params: bool) -> None:
+    run_on_ranks(_no_sync, 2, strategy, use_orig_params)
+
+
+def _no_sync_grad_shapes_match_torch(use_orig_params: bool) -> None:
+    config = Config("net", "FULL_SHARD", "block", use_orig_params)
+    _, ours = build_ours(config)
+    theirs = build_torch_fsdp(config)
+    for model in (ours, theirs):
+        with model.no_sync(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss_of(model(models.Net.batch(dist.get_rank()))).backward()
+    ours_grads = {n: None if p.grad is None else p.grad.shape for n, p in ours.named_parameters()}
+    theirs_grads = {n: None if p.grad is None else p.grad.shape for n, p in theirs.named_parameters()}
+    assert ours_grads == theirs_grads
+    ours_params = {n: p.shape for n, p in ours.named_parameters()}
+    assert ours_params == {n: p.shape for n, p in theirs.named_parameters()}, "parameters stay sharded"
+    with pytest.raises(RuntimeError, match="on inner FSDP instances is not supported"):
+        with ours.block.no_sync():
+            pass
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_no_sync_gradients_look_like_torchs(use_orig_params: bool) -> None:
+    run_on_ranks(_no_sync_grad_shapes_match_torch, 2, use_orig_params)
+
+
+def _clip(strategy: str, use_orig_params: bool, norm_type: float) -> None:
+    config = Config("transformer", strategy, "block", use_orig_params)
+    reference, ours = build_ours(config)
+    ddp = DDP(reference)
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for step in range(2):
+        ours(_batch(step)).backward()
+        ddp(_batch(step)).backward()
+        ours_norm = ours.clip_grad_norm_(0.05, norm_type)
+        ddp_norm = nn.utils.clip_grad_norm_(ddp.parameters(), 0.05, norm_type)
+        assert ours_norm.dim() == 0 and ours_norm.dtype == torch.float32
+        assert_close(ours_norm, ddp_norm, f"total norm at step {step}", rtol=1e-5)
+        our_opt.step()
+        ddp_opt.step()
+        our_opt.zero_grad()
+        ddp_opt.zero_grad()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), name)
+    with pytest.raises(RuntimeError, match="should only be called on the root FSDP instance"):
+        FSDP.fsdp_modules(ours)[1].clip_grad_norm_(1.0)
+
+
+@parameterized.expand([(s, u, p) for (s, u), p in zip(STRATEGIES_X_UOP, (2.0, 1.0, math.inf, 3.0, 2.0, math.inf))])
+def test_clip_grad_norm_matches_ddp(strategy: str, use_orig_params: bool, norm_type: float) -> None:
+    run_on_ranks(_clip, 2, strategy, use_orig_params, norm_type)
+
+
+def _summon(use_orig_params: bool, strategy: str) -> None:
+    config = Config("net", strategy, "block", use_orig_params)
+    reference, ours = build_ours(config)
+    expected = dict(reference.named_parameters())
+    # Full parameters under their original names, with the original shapes and values.
+    with FSDP.summon_full_params(ours):
+        inside = dict(ours.named_parameters())
+        assert inside.keys() == expected.keys()
+        for name, param in inside.items():
+            assert_close(param.detach(), expected[name].detach(), name)
+        assert [n for n, _ in ours.named_buffers()] == ["buf"]
+        with pytest.raises(AssertionError, match="already unsharding"):
+            with FSDP.summon_full_params(ours):
+                pass
+    outside = {n: p.shape for n, p in ours.named_parameters()}
+    # Writeback persists edits; writeback=False discards them.
+    with FSDP.summon_full_params(ours, writeback=False):
+        for param in ours.parameters():
+            param.data.fill_(7.0)
+    with FSDP.summon_full_params(ours):
+        # As torch documents, NO_SHARD parameters are the real ones, so edits persist regardless of writeback.
+        persisted = all((p == 7.0).all() for p in ours.parameters())
+        assert persisted == (strategy == "NO_SHARD"), "writeback=False discards edits of sharded parameters"
+        for param in ours.parameters():
+            param.data.fill_(1.0)
+    assert {n: p.shape for n, p in ours.named_parameters()} == outside, "sharded again afterwards"
+    assert all((p == 1.0).all() for p in full_params(ours).values()), "writeback=True persists edits"
+    # offload_to_cpu works when the compute device is the CPU (torch's FSDP1 crashes there), and rank0_only.
+    with pytest.warns(UserWarning, match="offload_to_cpu=True and rank0_only=False"):
+        with FSDP.summon_full_params(ours, offload_to_cpu=True):
+            assert all(p.shape == expected[n].shape for n, p in ours.named_parameters())
+    with FSDP.summon_full_params(ours, writeback=False, rank0_only=True, offload_to_cpu=True):
+        full_shapes = all(n in expected and p.shape == expected[n].shape for n, p in ours.named_parameters())
+        assert full_shapes == (dist.get_rank() == 0 or strategy == "NO_SHARD")
+    with pytest.raises(NotImplementedError, match="writeback=True and rank0_only=True is not supported yet"):
+        with FSDP.summon_full_params(ours, rank0_only=True):
+            pass
+    # Training continues normally after summoning.
+    loss_of(ours(models.Net.batch(0))).backward()
+
+
+@parameterized.expand([(u, s) for u in (False, True) for s in ("FULL_SHARD", "NO_SHARD")])
+def test_summon_full_params(use_orig_params: bool, strategy: str) -> None:
+    run_on_ranks(_summon, 2, use_orig_params, strategy)
+
+
+def _summon_with_grads(use_orig_params: bool) -> None:
+    config = Config("net", "FULL_SHARD", "block", use_orig_params)
+    reference, ours = build_ours(config)
+    ddp = DDP(reference)
+    loss_of(ours(models.Net.batch(dist.get_rank()))).backward()
+    loss_of(ddp(models.Net.batch(dist.get_rank()))).backward()
+    with FSDP.summon_full_params(ours, with_grads=True):
+        grads = {n: p.grad for n, p in ours.named_parameters()}
+        for name, param in reference.named_parameters():
+            assert_close(grads[name], param.grad, f"{name}.grad")
+    sharded = [p.grad.shape for p in ours.parameters() if p.grad is not None]
+    assert all(len(s) == 1 for s in sharded), "gradients are sharded again afterwards"
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_summon_with_grads(use_orig_params: bool) -> None:
+    """with_grads works for use_orig_params=False too, which torch's FSDP1 refuses."""
+    run_on_ranks(_summon_with_grads, 2, use_orig_params)
+
+
+def _summon_inner_only() -> None:
+    _, ours = build_ours(Config("net", "FULL_SHARD", "block"))
+    with FSDP.summon_full_params(ours.block):
+        names = {n: p.shape for n, p in ours.named_parameters()}
+    assert names["_fsdp_wrapped_module.block._fsdp_wrapped_module.fc1.weight"] == (5, 5)
+    assert names["_fsdp_wrapped_module._flat_param"] == (14,), "the root stays sharded, with prefixed names"
+    with FSDP.summon_full_params(ours, recurse=False):
+        names = [n for n, _ in ours.named_parameters()]
+    assert "l1.weight" in names and "block._flat_param" in names
+
+
+def test_summon_inner_unit_and_recurse_false() -> None:
+    run_on_ranks(_summon_inner_only, 2)
+
+
+def _apply(use_orig_params: bool) -> None:
+    reference, ours = build_ours(Config("net", "FULL_SHARD", "block", use_orig_params))
+
+    def zero_biases(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            with torch.no_grad():
+                module.bias.zero_()
+
+    ours.apply(zero_biases)
+    reference.apply(zero_biases)
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), name)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_apply_sees_full_parameters(use_orig_params: bool) -> None:
+    run_on_ranks(_apply, 2, use_orig_params)
+
+
+def _batchnorm_without_mixed_precision() -> None:
+    model = nn.Sequential(models.Block(), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no mixed-precision warning without mixed precision
+        ours = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({models.Block}))
+    assert [type(u.module).__name__ for u in FSDP.fsdp_modules(ours)] == ["Sequential", "Block"]
+
+
+def test_batchnorm_is_not_split_out_without_mixed_precision() -> None:
+    run_on_ranks(_batchnorm_without_mixed_precision, 2)
+
+
+def _torch_summon_matches() -> None:
+    config = Config("net", "FULL_SHARD", "block", True)
+    _, ours = build_ours(config)
+    theirs = build_torch_fsdp(config)
+    with FSDP.summon_full_params(ours), torch_fsdp.FullyShardedDataParallel.summon_full_params(theirs):
+        ours_named = {n: p.detach().clone() for n, p in ours.named_parameters()}
+        theirs_named = {n: p.detach().clone() for n, p in theirs.named_parameters()}
+    assert ours_named.keys() == theirs_named.keys()
+    for name in ours_named:
+        assert torch.equal(ours_named[name], theirs_named[name]), name
+
+
+def test_summon_names_and_values_match_torch() -> None:
+    run_on_ranks(_torch_summon_matches, 2)
