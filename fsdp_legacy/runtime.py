@@ -120,6 +120,8 @@ class Runtime:
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_for_backward(handle)
         handle.wait_unshard()
+        # Activation checkpointing re-runs the unit's forward during backward: the attributes must hold the data.
+        handle.use_unsharded_views()
 
     def post_backward(self, unit: "FullyShardedDataParallel") -> None:
         """Runs once this backward's gradient has accumulated into the unit's unsharded flat parameter."""

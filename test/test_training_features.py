@@ -226,3 +226,34 @@ def _torch_summon_matches() -> None:
 
 def test_summon_names_and_values_match_torch() -> None:
     run_on_ranks(_torch_summon_matches, 2)
+
+
+def _activation_checkpointing(style: str, strategy: str, use_orig_params: bool) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.utils.checkpoint import checkpoint
+
+    config = Config("transformer", strategy, "block", use_orig_params)
+    reference, ours = build_ours(config)
+    if style == "wrapper":  # torch's helper around the blocks inside each FSDP unit
+        apply_activation_checkpointing(ours, check_fn=lambda m: isinstance(m, models.TransformerBlock))
+    else:  # torch.utils.checkpoint inside the block's forward
+        for block in ours.module.blocks:
+            inner = block.module
+            original = inner.forward
+            inner.forward = lambda x, f=original: checkpoint(f, x, use_reentrant=False)
+    ddp = DDP(reference)
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for step in range(3):
+        for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
+            model(_batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), name)
+
+
+@parameterized.expand([("wrapper", "FULL_SHARD", False), ("wrapper", "SHARD_GRAD_OP", True),
+                       ("inside", "FULL_SHARD", True), ("inside", "FULL_SHARD", False)])
+def test_activation_checkpointing_matches_ddp(style: str, strategy: str, use_orig_params: bool) -> None:
+    run_on_ranks(_activation_checkpointing, 2, style, strategy, use_orig_params)
