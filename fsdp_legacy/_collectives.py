@@ -15,6 +15,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _Done:
+    """A completed piece of work, for steps that turn out to need no communication."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
     """Gather equal 1-D shards of every rank into `output` (world_size * shard.numel() elements)."""
     return _all_gather_single(output, shard, group=group, async_op=True)

@@ -56,6 +56,8 @@ class FlatParamHandle:
         reshard_after_forward: bool,
         use_orig_params: bool,
         device: torch.device,
+        param_dtype: Optional[torch.dtype] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ):
         self.group = group
         self.rank = group.rank()
@@ -64,7 +66,6 @@ class FlatParamHandle:
         self.reshard_after_forward = reshard_after_forward
         self.use_orig_params = use_orig_params
         self.training_state = HandleTrainingState.IDLE
-        self.is_unsharded = not sharded  # NO_SHARD: always whole
         self.unshard_work: Optional[dist.Work] = None
         self.saved_grad: Optional[torch.Tensor] = None
         self.new_grad: Optional[torch.Tensor] = None  # this backward's reduced sharded gradient
@@ -74,6 +75,15 @@ class FlatParamHandle:
 
         params = [p for p in managed]
         dtype = _uniform(params, lambda p: p.dtype, "dtype")
+        # Mixed precision: forward and backward run on a low-precision unsharded copy; the full-precision local
+        # shard stays the master copy, so only the low-precision unit is ever unsharded.
+        self.compute_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.mixed = self.compute_dtype != dtype
+        # Forward/backward use a separate unsharded buffer when sharded or low precision (NO_SHARD in full precision
+        # computes on the flat parameter itself).
+        self.uses_buffer = sharded or self.mixed
+        self.is_unsharded = not self.uses_buffer
         requires_grad = any(p.requires_grad for p in params)
         if not use_orig_params:
             _uniform(params, lambda p: p.requires_grad, "`requires_grad` when `use_orig_params=False`")
@@ -82,7 +92,7 @@ class FlatParamHandle:
             managed,
             is_boundary,
             self.world_size,  # NO_SHARD too: torch pads the same way, which keeps the layouts interchangeable
-            aligned_numel_for(dtype) if use_orig_params else 0,
+            aligned_numel_for(self.compute_dtype) if use_orig_params else 0,
         )
         self.layout: FlatParamLayout = layout
         originals = {info: info.module._parameters[info.param_name] for info in layout.params}
@@ -91,10 +101,15 @@ class FlatParamHandle:
         if sharded:
             n = layout.shard_numel
             self.local_shard = full[self.rank * n : (self.rank + 1) * n].clone()
+        else:
+            self.local_shard = full[: layout.numel] if layout.padded_numel != layout.numel else full
+        if self.mixed:
+            self.full_padded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
+            _free(self.full_padded)
+        elif sharded:
             self.full_padded = full  # reused as the all-gather buffer
             _free(self.full_padded)
         else:
-            self.local_shard = full[: layout.numel] if layout.padded_numel != layout.numel else full
             self.full_padded = self.local_shard
         self.flat_param = FlatParameter.create(self.local_shard, layout, requires_grad)
         # use_orig_params=True keeps the original Parameters (as views of the shard); otherwise they are released,
@@ -124,9 +139,15 @@ class FlatParamHandle:
 
     def unshard(self) -> None:
         """Issue the all-gather of the full flat parameter (asynchronously); `wait_unshard` completes it."""
-        if self.needs_unshard:
-            _alloc(self.full_padded)
-            self.unshard_work = comm.all_gather(self.full_padded, self.local_shard, self.group)
+        if not self.needs_unshard:
+            return
+        _alloc(self.full_padded)
+        if not self.sharded:  # NO_SHARD in low precision: a local cast, nothing to gather
+            self.full_padded[: self.layout.numel].copy_(self.local_shard)
+            self.unshard_work = comm.DONE
+            return
+        shard = self.local_shard.to(self.compute_dtype) if self.mixed else self.local_shard
+        self.unshard_work = comm.all_gather(self.full_padded, shard, self.group)
 
     def wait_unshard(self) -> None:
         if self.is_unsharded:
@@ -143,7 +164,7 @@ class FlatParamHandle:
     def reshard(self) -> None:
         """Back to the local shard: free the unsharded storage and put the sharded gradient back."""
         self.drop_unsharded_views()
-        if not self.sharded:
+        if not self.uses_buffer:
             return
         if self.unshard_work is not None:  # a prefetch nobody used: it must finish before its buffer is freed
             self.unshard_work.wait()
@@ -213,7 +234,7 @@ class FlatParamHandle:
 
     def sync_grad_from_orig_params(self) -> None:
         """use_orig_params=True: adopt what the user did to the original gradients (zero_grad(set_to_none), edits)."""
-        if not self.use_orig_params or (self.sharded and self.is_unsharded) or self.unsynced_grad is not None:
+        if not self.use_orig_params or (self.uses_buffer and self.is_unsharded) or self.unsynced_grad is not None:
             return
         flat_grad = self.flat_param.grad
         grads = {info: p.grad for info, p in self.orig_params.items() if info in self._orig_grad_views}
@@ -243,9 +264,10 @@ class FlatParamHandle:
                 self._orig_grad_views[info] = view
 
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
-        """This backward's gradient, taken off the flat parameter (sharded strategies) so it can reshard first."""
+        """This backward's gradient, taken off the flat parameter (when it has a separate unsharded buffer) so it
+        can reshard first."""
         grad = self.flat_param.grad
-        if self.sharded:
+        if self.uses_buffer:
             self.flat_param.grad = None
         return grad
 
@@ -281,28 +303,34 @@ class FlatParamHandle:
         self._orig_grad_views = {}
 
     def reduce_grad(self, grad: Optional[torch.Tensor]) -> Optional[PendingReduction]:
-        """Issue the reduction of the unsharded gradient; sharded strategies reduce-scatter it, NO_SHARD all-reduces
-        it in place (it stays the flat parameter's gradient)."""
-        if grad is None or self.world_size == 1:
+        """Issue the reduction of the unsharded gradient, in the reduce dtype: sharded strategies reduce-scatter it,
+        NO_SHARD all-reduces it."""
+        if grad is None:
             return None
+        if grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
         pre, post = comm.gradient_divide_factors(self.world_size)
         if pre > 1:
             grad.div_(pre)
         if self.sharded:
             output = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
             return PendingReduction(self, comm.reduce_scatter(output, grad, self.group), output, grad, post)
+        if self.world_size == 1:
+            return PendingReduction(self, comm.DONE, grad, grad, post)
         return PendingReduction(self, comm.all_reduce(grad, self.group), grad, grad, post)
 
     def finish_reduction(self, pending: PendingReduction) -> None:
         pending.work.wait()
-        if self.sharded and pending.input.device.type == "cpu":
+        if pending.input is not pending.output and pending.input.device.type == "cpu":
             # The unsharded gradient is dead now; free it at once rather than whenever the backend's work object
             # (which keeps its inputs) is released.
             _free(pending.input)
         if pending.post_divide > 1:
             pending.output.div_(pending.post_divide)
-        if self.sharded:
-            self.new_grad = pending.output
+        if self.uses_buffer:  # reduced in the reduce dtype; the gradient lives in the parameter's dtype
+            self.new_grad = pending.output[: self.flat_param.numel()].to(self.flat_param.dtype)
+        elif pending.output is not self.flat_param.grad:  # NO_SHARD reduced in another dtype: back into .grad
+            self.flat_param.grad.copy_(pending.output)
 
     def finish_backward(self) -> None:
         """End of backward: back to the shard, with this backward's gradient added to the sharded gradient."""
@@ -313,7 +341,7 @@ class FlatParamHandle:
             else:
                 self.flat_param.grad.add_(self.new_grad)
             self.new_grad = None
-        if self.sharded and self.unsynced_grad is not None:
+        if self.uses_buffer and self.unsynced_grad is not None:
             self._expose_unsynced_grads()
         elif self.use_orig_params:
             self._use_orig_grad_views()

@@ -61,6 +61,11 @@ class Runtime:
         if unit is self.root:
             args, kwargs = self._root_pre_forward(args, kwargs)
         unit.training_state = TrainingState.FORWARD_BACKWARD
+        mp = unit.mixed_precision
+        if mp.param_dtype is not None and (mp.cast_forward_inputs or (unit is self.root and mp.cast_root_forward_inputs)):
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs)
+            )
         handle = unit._handle
         if handle is not None:
             handle.training_state = HandleTrainingState.FORWARD
@@ -129,14 +134,14 @@ class Runtime:
         handle = unit._handle
         handle.training_state = HandleTrainingState.BACKWARD_POST
         grad = handle.take_unsharded_grad()
-        if handle.sharded:
+        if handle.uses_buffer:
             self._reshard(handle)  # before reducing, as torch FSDP1 does: the parameters are no longer needed
         if not unit._sync_gradients:
-            if handle.sharded:  # NO_SHARD simply keeps accumulating into .grad
+            if handle.uses_buffer:  # otherwise (NO_SHARD) the gradient simply keeps accumulating into .grad
                 handle.accumulate_unsynced(grad)
             handle.post_backward_done = True
             return
-        if handle.sharded:
+        if handle.uses_buffer:
             grad = handle.take_unsynced_into(grad)
         pending = handle.reduce_grad(grad)
         del grad

@@ -60,14 +60,14 @@ def _summon_unit(
             yield
             return
         handle.training_state = HandleTrainingState.SUMMON_FULL_PARAMS
-        handle.wait_unshard()
-        # Gradients are gathered before anything else changes; every rank takes part even if it then discards them.
-        full_grad = _gather_grad(handle) if with_grads else None
-        if rank0_only and handle.rank != 0 and handle.sharded:  # NO_SHARD: every rank holds them anyway
-            handle.reshard()  # this rank keeps its shard; the collective was for rank 0
-            yield
+        # Gathered in full precision into a buffer of its own (not the forward's, which may be low precision); under
+        # NO_SHARD the local flat parameter is already whole, so edits to it persist, as torch documents.
+        full = _gather(handle, handle.local_shard)
+        grad = handle.saved_grad if handle.is_unsharded and handle.uses_buffer else handle.flat_param.grad
+        full_grad = _gather(handle, grad) if with_grads and grad is not None else None
+        if rank0_only and handle.rank != 0 and handle.sharded:
+            yield  # this rank keeps its shard; it took part in the collective for rank 0
             return
-        full = handle.full_padded
         if offload_to_cpu and full.device.type != "cpu":
             full = full.cpu()
         _expose(unit, handle, full, full_grad)
@@ -79,24 +79,18 @@ def _summon_unit(
                 with torch.no_grad():
                     handle.local_shard.copy_(full[handle.rank * n : (handle.rank + 1) * n])
             _hide(unit, handle)
-            handle.reshard()
-            if handle.use_orig_params:
-                handle._use_orig_grad_views()
     finally:
         if handle is not None:
             handle.training_state = HandleTrainingState.IDLE
         unit.training_state = TrainingState.IDLE
 
 
-def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
-    """The unsharded gradient of `handle`, or None when it has none (set aside in saved_grad while unsharded)."""
+def _gather(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
+    """The whole flat tensor of which every rank holds `shard` (the tensor itself under NO_SHARD)."""
     if not handle.sharded:
-        return handle.flat_param.grad
-    grad = handle.saved_grad
-    if grad is None:
-        return None
-    full = torch.empty_like(handle.full_padded)
-    comm.all_gather(full, grad.contiguous(), handle.group).wait()
+        return shard
+    full = torch.empty(handle.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+    comm.all_gather(full, shard.contiguous(), handle.group).wait()
     return full
 
 
@@ -126,6 +120,8 @@ def _expose(unit: "FullyShardedDataParallel", handle: FlatParamHandle, full: tor
 def _hide(unit: "FullyShardedDataParallel", handle: FlatParamHandle) -> None:
     if handle.use_orig_params:
         handle._use_sharded_orig_params()
+        if not handle.is_unsharded or not handle.uses_buffer:
+            handle._use_orig_grad_views()
         return
     for module, name, _ in handle._attributes():
         module._parameters.pop(name, None)

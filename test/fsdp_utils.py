@@ -38,6 +38,7 @@ class Config:
     # zero_grad(set_to_none=False) keeps DDP comparable when a step leaves parameters unused on every rank: DDP then
     # has no gradient (SGD skips the parameter) where FSDP has a zero slice of the flat gradient.
     set_to_none: bool = True
+    mixed_precision: Optional[tuple] = None  # (param_dtype, reduce_dtype, buffer_dtype) names, e.g. ("bfloat16",)*3
     extra: dict = field(default_factory=dict, hash=False)
 
     def name(self) -> str:
@@ -47,6 +48,7 @@ class Config:
                 self.model, self.strategy, self.policy, "uop" if self.use_orig_params else "flat",
                 self.backward_prefetch, "fwdpf" if self.forward_prefetch else "",
                 f"nograd{self.no_grad_step}" if self.no_grad_step is not None else "",
+                "mp_" + "_".join(map(str, self.mixed_precision)) if self.mixed_precision else "",
             )
             if v
         )
@@ -69,12 +71,16 @@ def policy_for(config: Config, wrap_module) -> Any:
 def fsdp_kwargs(config: Config, enums) -> dict:
     """Constructor arguments for `config`; `enums` is the module providing ShardingStrategy/BackwardPrefetch."""
     prefetch = config.backward_prefetch
+    extra = dict(config.extra)
+    if config.mixed_precision is not None:
+        dtypes = [getattr(torch, name) if name else None for name in config.mixed_precision]
+        extra["mixed_precision"] = enums.MixedPrecision(*dtypes)
     return dict(
         sharding_strategy=enums.ShardingStrategy[config.strategy],
         use_orig_params=config.use_orig_params,
         backward_prefetch=enums.BackwardPrefetch[prefetch] if prefetch else None,
         forward_prefetch=config.forward_prefetch,
-        **config.extra,
+        **extra,
     )
 
 

@@ -167,7 +167,9 @@ def _errors() -> None:
     refused = {
         "sharding_strategy=ShardingStrategy.HYBRID_SHARD": dict(sharding_strategy=fsdp_legacy.ShardingStrategy.HYBRID_SHARD),
         "offload_params=True": dict(cpu_offload=fsdp_legacy.CPUOffload(offload_params=True)),
-        "mixed_precision": dict(mixed_precision=fsdp_legacy.MixedPrecision(param_dtype=torch.bfloat16)),
+        "keep_low_precision_grads=True": dict(
+            mixed_precision=fsdp_legacy.MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+        ),
     }
     for what, kwargs in refused.items():
         with pytest.raises(NotImplementedError, match=what.replace("(", r"\(").replace(")", r"\)")):

@@ -1,0 +1,55 @@
+"""Mixed precision against torch's FSDP1 with the same MixedPrecision: losses, shards and gradients every step."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_utils import Config, build_ours, full_params, loss_of
+from harness import run_on_ranks
+from test_parity import _torch_fsdp_parity
+
+BF16 = ("bfloat16", "float32", "bfloat16")
+FP16 = ("float16", "float16", "float16")
+BF16_ALL = ("bfloat16", "bfloat16", "bfloat16")
+
+CASES = [
+    (Config("net", "FULL_SHARD", "block", False, mixed_precision=BF16), 2),
+    (Config("net", "FULL_SHARD", "block", True, mixed_precision=BF16), 2),
+    (Config("net", "SHARD_GRAD_OP", "block", False, mixed_precision=FP16), 2),
+    (Config("net", "NO_SHARD", "block", True, mixed_precision=BF16_ALL), 2),
+    (Config("transformer", "FULL_SHARD", "block", False, mixed_precision=BF16, no_grad_step=1), 2),
+    (Config("transformer", "FULL_SHARD", "block", True, "BACKWARD_POST", mixed_precision=BF16_ALL), 4),
+    (Config("transformer", "SHARD_GRAD_OP", "block", True, mixed_precision=FP16), 2),
+    (Config("transformer", "NO_SHARD", "block", False, mixed_precision=BF16), 2),
+]
+
+
+@pytest.mark.parametrize("config,world_size", CASES, ids=[f"{c.name()}_w{w}" for c, w in CASES])
+def test_matches_torch_fsdp1(config: Config, world_size: int) -> None:
+    run_on_ranks(_torch_fsdp_parity, world_size, config)
+
+
+def _low_precision_only_while_unsharded(strategy: str) -> None:
+    _, ours = build_ours(Config("net", strategy, "block", False, mixed_precision=BF16))
+    root, block = FSDP.fsdp_modules(ours)
+    out = ours(models.Net.batch(dist.get_rank()))
+    assert out.dtype == torch.bfloat16, "compute runs in param_dtype"
+    assert root._handle.full_padded.dtype == torch.bfloat16, "only a low-precision unsharded copy exists"
+    assert ours.buf.dtype == torch.bfloat16, "buffers in buffer_dtype"
+    loss_of(out).backward()
+    for unit in (root, block):
+        flat = unit._handle.flat_param
+        assert flat.dtype == torch.float32 and flat.grad.dtype == torch.float32, "full-precision master and grads"
+        assert unit._handle.full_padded.untyped_storage().nbytes() == 0
+    expected = full_params(ours)
+    with FSDP.summon_full_params(ours):
+        for name, param in ours.named_parameters():
+            assert param.dtype == torch.float32, "summon_full_params shows the full-precision parameters"
+            assert torch.equal(param, expected[name]), name
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_full_precision_master_low_precision_compute(strategy: str) -> None:
+    run_on_ranks(_low_precision_only_while_unsharded, 2, strategy)
