@@ -132,6 +132,8 @@ class FullyShardedDataParallel(nn.Module):
                 reshard_after_forward=sharding_strategy == ShardingStrategy.FULL_SHARD,
                 use_orig_params=use_orig_params,
                 device=self.compute_device,
+                param_dtype=self.mixed_precision.param_dtype,
+                reduce_dtype=self.mixed_precision.reduce_dtype,
             )
             if self._handle.flat_param.requires_grad:
                 self._handle.flat_param.register_post_accumulate_grad_hook(self._post_backward_hook)
@@ -186,7 +188,20 @@ class FullyShardedDataParallel(nn.Module):
             for unit in units:
                 unit._is_root = unit is self
                 unit._runtime = runtime
+                unit._cast_buffers()
         return self._runtime
+
+    def _cast_buffers(self) -> None:
+        """MixedPrecision.buffer_dtype: this unit's floating-point buffers are kept in that dtype from the first
+        forward on, as torch FSDP1 does."""
+        dtype = self.mixed_precision.buffer_dtype
+        if dtype is None:
+            return
+        wrapped = self._fsdp_wrapped_module
+        for _, sub in iter_unit_modules(wrapped, self._is_boundary_for(wrapped)):
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    sub._buffers[name] = buffer.to(dtype)
 
     def _post_backward_hook(self, flat_param: torch.Tensor) -> None:
         self._runtime.post_backward(self)
@@ -337,9 +352,8 @@ def _refuse_unimplemented(strategy: ShardingStrategy, cpu_offload: CPUOffload, m
         raise _not_yet(f"sharding_strategy={strategy}")
     if cpu_offload.offload_params:
         raise _not_yet("cpu_offload=CPUOffload(offload_params=True)")
-    mp = mixed_precision
-    if mp.param_dtype is not None or mp.reduce_dtype is not None or mp.buffer_dtype is not None:
-        raise _not_yet("mixed_precision with param_dtype/reduce_dtype/buffer_dtype")
+    if mixed_precision.keep_low_precision_grads:
+        raise _not_yet("MixedPrecision(keep_low_precision_grads=True)")
 
 
 def _resolve_ignored(
