@@ -6,6 +6,7 @@ FlatParameter and shard it. Runtime behaviour lives in runtime.py, the flat para
 """
 
 import contextlib
+import os
 import traceback
 import warnings
 from enum import Enum
@@ -27,7 +28,9 @@ FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 FLAT_PARAM = "_flat_param"
 
-_SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+_HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *_HYBRID_STRATEGIES)
+_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -60,10 +63,18 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         sharding_strategy = _coerce(ShardingStrategy, sharding_strategy) or ShardingStrategy.FULL_SHARD
         backward_prefetch = _coerce(BackwardPrefetch, backward_prefetch)
-        _refuse_unimplemented(sharding_strategy, cpu_offload or CPUOffload(), mixed_precision or MixedPrecision())
+        _refuse_unimplemented(cpu_offload or CPUOffload(), mixed_precision or MixedPrecision())
 
         self._ignored_modules, self._ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
-        self.process_group = _resolve_group(process_group, device_mesh)
+        hybrid = sharding_strategy in _HYBRID_STRATEGIES
+        if hybrid and process_group is None and device_mesh is None:
+            if auto_wrap_policy is None:
+                raise ValueError(
+                    f"Manual wrapping with {sharding_strategy} requires explicit specification of process group or "
+                    "device_mesh."
+                )
+            process_group = _node_groups()  # children receive the same pair through the root's kwargs
+        self.process_group, self._inter_node_pg = _resolve_group(process_group, device_mesh, hybrid)
         self._device_mesh = device_mesh
         self.rank = self.process_group.rank()
         self.world_size = self.process_group.size()
@@ -99,6 +110,9 @@ class FullyShardedDataParallel(nn.Module):
                 f"FSDP is switching to use `NO_SHARD` instead of {sharding_strategy} since the world size is 1."
             )
             sharding_strategy = ShardingStrategy.NO_SHARD
+            if self._inter_node_pg is not None:  # hybrid with one rank per shard group: plain replication
+                self.process_group, self._inter_node_pg = self._inter_node_pg, None
+                self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
         elif sharding_strategy == ShardingStrategy.NO_SHARD:
             warnings.warn(
                 "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
@@ -113,6 +127,8 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         self._use_orig_params = use_orig_params
         self._sync_gradients = True
+        self._comm_hook: Optional[Callable] = None
+        self._comm_hook_state: object = None
         self.training_state = TrainingState.IDLE
         self._is_root: Optional[bool] = None
         self._runtime: Optional[Runtime] = None
@@ -120,7 +136,8 @@ class FullyShardedDataParallel(nn.Module):
         is_boundary = self._is_boundary_for(module)
         managed = self._managed_params(module, is_boundary)
         if sync_module_states:
-            _broadcast_from_rank0(module, managed, is_boundary, self.process_group)
+            everyone = self.process_group if self._inter_node_pg is None else dist.group.WORLD
+            _broadcast_from_rank0(module, managed, is_boundary, everyone)
         self._handle: Optional[FlatParamHandle] = None
         if managed:
             self._handle = FlatParamHandle(
@@ -129,11 +146,12 @@ class FullyShardedDataParallel(nn.Module):
                 is_boundary,
                 self.process_group,
                 sharded=sharding_strategy in _SHARDED_STRATEGIES,
-                reshard_after_forward=sharding_strategy == ShardingStrategy.FULL_SHARD,
+                reshard_after_forward=sharding_strategy in _RESHARD_AFTER_FORWARD,
                 use_orig_params=use_orig_params,
                 device=self.compute_device,
                 param_dtype=self.mixed_precision.param_dtype,
                 reduce_dtype=self.mixed_precision.reduce_dtype,
+                replicate_group=self._inter_node_pg,
             )
             if self._handle.flat_param.requires_grad:
                 self._handle.flat_param.register_post_accumulate_grad_hook(self._post_backward_hook)
@@ -293,7 +311,22 @@ class FullyShardedDataParallel(nn.Module):
         return clip_grad_norm_(self, handles, self.process_group, max_norm, norm_type)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
-        raise _not_yet("FSDP.register_comm_hook()")
+        """Replace the gradient reduction of every unit by `hook`: `hook(state, padded_unsharded_grad, shard_out)`
+        for sharded strategies, `hook(state, grad)` (in place) for NO_SHARD; torch's default hooks work."""
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        for unit in FullyShardedDataParallel.fsdp_modules(self):
+            if unit.sharding_strategy in _HYBRID_STRATEGIES:
+                raise AssertionError(
+                    f"Communication hook is not supported for hybrid strategies: {unit.sharding_strategy}"
+                )
+            if unit._comm_hook is not None:
+                raise AssertionError("A communication hook is already registered")
+            if not callable(hook):
+                raise ValueError(f"The communication hook must be callable but got {hook}")
+            unit._comm_hook, unit._comm_hook_state = hook, state
+            if unit._handle is not None:
+                unit._handle.comm_hook, unit._handle.comm_hook_state = hook, state
 
     @staticmethod
     def summon_full_params(
@@ -347,9 +380,7 @@ def _not_yet(feature: str) -> NotImplementedError:
     )
 
 
-def _refuse_unimplemented(strategy: ShardingStrategy, cpu_offload: CPUOffload, mixed_precision: MixedPrecision) -> None:
-    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        raise _not_yet(f"sharding_strategy={strategy}")
+def _refuse_unimplemented(cpu_offload: CPUOffload, mixed_precision: MixedPrecision) -> None:
     if cpu_offload.offload_params:
         raise _not_yet("cpu_offload=CPUOffload(offload_params=True)")
     if mixed_precision.keep_low_precision_grads:
@@ -376,24 +407,52 @@ def _resolve_ignored(
     return ignored_modules_all, params
 
 
-def _resolve_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
+def _resolve_group(
+    process_group: Any, device_mesh: Any, hybrid: bool
+) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+    """(the group a unit shards over, the group across which hybrid sharding replicates, or None)."""
     if process_group is not None and device_mesh is not None:
         raise ValueError(
             "Cannot pass both process_group and device_mesh at the same time. Please just pass only one of them."
         )
-    if isinstance(process_group, tuple):
-        raise _not_yet("a (shard_group, replicate_group) process_group tuple (hybrid sharding)")
-    if device_mesh is not None:
-        if device_mesh.ndim != 1:
-            raise _not_yet("a 2-D device_mesh (hybrid sharding)")
-        return device_mesh.get_group()
     if not dist.is_initialized():
         raise RuntimeError(
             "FSDP needs torch.distributed to be initialized: call torch.distributed.init_process_group() first "
             "(launch with torchrun), or pass process_group."
         )
-    return process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    if hybrid:
+        if device_mesh is not None:
+            if device_mesh.ndim != 2:
+                raise ValueError(f"Hybrid sharding needs a 2-D device_mesh (replicate, shard), got {device_mesh.ndim}-D")
+            return device_mesh.get_group(mesh_dim=1), device_mesh.get_group(mesh_dim=0)
+        if not (isinstance(process_group, tuple) and len(process_group) == 2):
+            raise ValueError(
+                "Hybrid sharding takes process_group=(shard_group, replicate_group) or a 2-D device_mesh, got "
+                f"{process_group!r}"
+            )
+        return process_group
+    if isinstance(process_group, tuple):
+        raise ValueError(
+            "A (shard_group, replicate_group) process_group is for HYBRID_SHARD / _HYBRID_SHARD_ZERO2; pass one "
+            "group for other strategies."
+        )
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise ValueError("A 2-D device_mesh is for hybrid sharding; pass a 1-D mesh for other strategies.")
+        return device_mesh.get_group(), None
+    return (process_group if process_group is not None else dist.distributed_c10d._get_default_group()), None
 
+
+def _node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Hybrid sharding without explicit groups: shard within a node (LOCAL_WORLD_SIZE consecutive ranks, as torchrun
+    assigns them) and replicate across nodes. Every rank must call this (group creation is collective)."""
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % per_node:
+        raise ValueError(f"World size {world} is not a multiple of LOCAL_WORLD_SIZE={per_node}")
+    shard, _ = dist.new_subgroups_by_enumeration([list(range(n, n + per_node)) for n in range(0, world, per_node)])
+    replicate, _ = dist.new_subgroups_by_enumeration([list(range(i, world, per_node)) for i in range(per_node)])
+    return shard, replicate
 
 def _compute_device(
     module: nn.Module, device_id: Any, group: dist.ProcessGroup, ignored: set[nn.Parameter]

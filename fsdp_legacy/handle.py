@@ -58,10 +58,16 @@ class FlatParamHandle:
         device: torch.device,
         param_dtype: Optional[torch.dtype] = None,
         reduce_dtype: Optional[torch.dtype] = None,
+        replicate_group: Optional[dist.ProcessGroup] = None,
     ):
-        self.group = group
+        self.group = group  # the ranks that share one copy of the parameters, a shard each
         self.rank = group.rank()
         self.world_size = group.size()
+        # Hybrid sharding: the sharded gradient is then all-reduced across the replicas of this shard group.
+        self.replicate_group = replicate_group
+        self.data_parallel_size = self.world_size * (replicate_group.size() if replicate_group is not None else 1)
+        self.comm_hook: Optional[Callable] = None  # register_comm_hook: replaces the default reduction
+        self.comm_hook_state: object = None
         self.sharded = sharded
         self.reshard_after_forward = reshard_after_forward
         self.use_orig_params = use_orig_params
@@ -309,7 +315,15 @@ class FlatParamHandle:
             return None
         if grad.dtype != self.reduce_dtype:
             grad = grad.to(self.reduce_dtype)
-        pre, post = comm.gradient_divide_factors(self.world_size)
+        if self.comm_hook is not None:  # the hook communicates (synchronously) and divides by itself
+            output = grad
+            if self.sharded:
+                output = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
+                self.comm_hook(self.comm_hook_state, grad, output)
+            else:
+                self.comm_hook(self.comm_hook_state, grad)
+            return PendingReduction(self, comm.DONE, output, grad, 1.0)
+        pre, post = comm.gradient_divide_factors(self.data_parallel_size)
         if pre > 1:
             grad.div_(pre)
         if self.sharded:
@@ -325,6 +339,8 @@ class FlatParamHandle:
             # The unsharded gradient is dead now; free it at once rather than whenever the backend's work object
             # (which keeps its inputs) is released.
             _free(pending.input)
+        if self.replicate_group is not None:
+            comm.all_reduce(pending.output, self.replicate_group).wait()
         if pending.post_divide > 1:
             pending.output.div_(pending.post_divide)
         if self.uses_buffer:  # reduced in the reduce dtype; the gradient lives in the parameter's dtype

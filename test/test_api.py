@@ -165,7 +165,6 @@ def _errors() -> None:
     with pytest.raises(ValueError, match="uniform `requires_grad`"):
         FSDP(mixed)
     refused = {
-        "sharding_strategy=ShardingStrategy.HYBRID_SHARD": dict(sharding_strategy=fsdp_legacy.ShardingStrategy.HYBRID_SHARD),
         "offload_params=True": dict(cpu_offload=fsdp_legacy.CPUOffload(offload_params=True)),
         "keep_low_precision_grads=True": dict(
             mixed_precision=fsdp_legacy.MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
@@ -174,9 +173,6 @@ def _errors() -> None:
     for what, kwargs in refused.items():
         with pytest.raises(NotImplementedError, match=what.replace("(", r"\(").replace(")", r"\)")):
             FSDP(models.Net(), **kwargs)
-    fsdp = FSDP(models.Net())
-    with pytest.raises(NotImplementedError, match="register_comm_hook.*not implemented in fsdp_legacy yet"):
-        fsdp.register_comm_hook(None, lambda *a: None)
 
 
 def test_errors() -> None:
