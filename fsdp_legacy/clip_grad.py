@@ -25,7 +25,8 @@ def clip_grad_norm_(
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sharded_grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) in sharded]
     replicated_grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in sharded]
-    device = handles[0].flat_param.device if handles else torch.device("cpu")
+    # Norms are reduced on the compute device (NCCL needs it even when CPUOffload keeps the gradients on the CPU).
+    device = handles[0].compute_device if handles else torch.device("cpu")
     local_sharded = _norm_power(sharded_grads, norm_type, device)
     local_replicated = _norm_power(replicated_grads, norm_type, device)
     if any(h.sharded for h in handles):  # structural, hence the same decision on every rank
@@ -37,7 +38,7 @@ def clip_grad_norm_(
         total = (local_sharded + local_replicated) ** (1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
-        grad.mul_(coefficient.to(grad.dtype))
+        grad.mul_(coefficient.to(grad.device, grad.dtype))
     if not grads:
         dtype = torch.get_default_dtype()
         warnings.warn(
@@ -55,7 +56,7 @@ def _norm_power(grads: list[torch.Tensor], norm_type: float, device: torch.devic
     """sum(|g|^p) over `grads` (max |g| for p = inf), in fp32."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in grads])
     if math.isinf(norm_type):
         return norms.max()
     return (norms**norm_type).sum()

@@ -63,7 +63,6 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         sharding_strategy = _coerce(ShardingStrategy, sharding_strategy) or ShardingStrategy.FULL_SHARD
         backward_prefetch = _coerce(BackwardPrefetch, backward_prefetch)
-        _refuse_unimplemented(cpu_offload or CPUOffload(), mixed_precision or MixedPrecision())
 
         self._ignored_modules, self._ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
         hybrid = sharding_strategy in _HYBRID_STRATEGIES
@@ -152,6 +151,8 @@ class FullyShardedDataParallel(nn.Module):
                 param_dtype=self.mixed_precision.param_dtype,
                 reduce_dtype=self.mixed_precision.reduce_dtype,
                 replicate_group=self._inter_node_pg,
+                offload_params=self.cpu_offload.offload_params,
+                keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
             )
             if self._handle.flat_param.requires_grad:
                 self._handle.flat_param.register_post_accumulate_grad_hook(self._post_backward_hook)
@@ -277,9 +278,6 @@ class FullyShardedDataParallel(nn.Module):
     get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
     state_dict_type = staticmethod(_state_dict.state_dict_type)
 
-    # ----------------------------------------------------------------------------------------------------------------
-    # Features that land in later work: refuse clearly instead of silently doing the wrong thing.
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without communication (root only). The unsharded gradients of every unit are kept
@@ -371,20 +369,6 @@ def _coerce(enum_cls: type[Enum], value: Any) -> Any:
     if isinstance(value, Enum) and value.name in enum_cls.__members__:
         return enum_cls[value.name]
     raise ValueError(f"Expected a {enum_cls.__name__} but got {value!r}")
-
-
-def _not_yet(feature: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{feature} is not implemented in fsdp_legacy yet; it is planned (see the compatibility table in "
-        "docs/compatibility.md). Until then use the default for this option."
-    )
-
-
-def _refuse_unimplemented(cpu_offload: CPUOffload, mixed_precision: MixedPrecision) -> None:
-    if cpu_offload.offload_params:
-        raise _not_yet("cpu_offload=CPUOffload(offload_params=True)")
-    if mixed_precision.keep_low_precision_grads:
-        raise _not_yet("MixedPrecision(keep_low_precision_grads=True)")
 
 
 def _resolve_ignored(

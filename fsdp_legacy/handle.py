@@ -59,6 +59,8 @@ class FlatParamHandle:
         param_dtype: Optional[torch.dtype] = None,
         reduce_dtype: Optional[torch.dtype] = None,
         replicate_group: Optional[dist.ProcessGroup] = None,
+        offload_params: bool = False,
+        keep_low_precision_grads: bool = False,
     ):
         self.group = group  # the ranks that share one copy of the parameters, a shard each
         self.rank = group.rank()
@@ -85,10 +87,14 @@ class FlatParamHandle:
         # shard stays the master copy, so only the low-precision unit is ever unsharded.
         self.compute_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.grad_dtype = self.compute_dtype if keep_low_precision_grads else dtype
         self.mixed = self.compute_dtype != dtype
-        # Forward/backward use a separate unsharded buffer when sharded or low precision (NO_SHARD in full precision
-        # computes on the flat parameter itself).
-        self.uses_buffer = sharded or self.mixed
+        # CPUOffload: the shard, its gradient and so the optimizer step live on the CPU; compute on `device`.
+        self.compute_device = device
+        self.offload = offload_params
+        # Forward/backward use a separate unsharded buffer when sharded, low precision or offloaded (NO_SHARD in full
+        # precision on the compute device computes on the flat parameter itself).
+        self.uses_buffer = sharded or self.mixed or offload_params
         self.is_unsharded = not self.uses_buffer
         requires_grad = any(p.requires_grad for p in params)
         if not use_orig_params:
@@ -109,7 +115,11 @@ class FlatParamHandle:
             self.local_shard = full[self.rank * n : (self.rank + 1) * n].clone()
         else:
             self.local_shard = full[: layout.numel] if layout.padded_numel != layout.numel else full
-        if self.mixed:
+        if offload_params:
+            # Pinned memory lets the host-to-device copies of the shard run asynchronously on CUDA.
+            pin = device.type == "cuda"
+            self.local_shard = self.local_shard.to("cpu").pin_memory() if pin else self.local_shard.to("cpu").clone()
+        if self.mixed or offload_params:
             self.full_padded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
             _free(self.full_padded)
         elif sharded:
@@ -152,7 +162,7 @@ class FlatParamHandle:
             self.full_padded[: self.layout.numel].copy_(self.local_shard)
             self.unshard_work = comm.DONE
             return
-        shard = self.local_shard.to(self.compute_dtype) if self.mixed else self.local_shard
+        shard = self.local_shard.to(device=self.compute_device, dtype=self.compute_dtype, non_blocking=True)
         self.unshard_work = comm.all_gather(self.full_padded, shard, self.group)
 
     def wait_unshard(self) -> None:
@@ -265,7 +275,7 @@ class FlatParamHandle:
             view = self._local_view(flat_grad, info) if flat_grad is not None and has_data else None
             if view is not None and not param.requires_grad:
                 view = None
-            param.grad = view
+            _assign_grad(param, view)
             if view is not None:
                 self._orig_grad_views[info] = view
 
@@ -343,8 +353,10 @@ class FlatParamHandle:
             comm.all_reduce(pending.output, self.replicate_group).wait()
         if pending.post_divide > 1:
             pending.output.div_(pending.post_divide)
-        if self.uses_buffer:  # reduced in the reduce dtype; the gradient lives in the parameter's dtype
-            self.new_grad = pending.output[: self.flat_param.numel()].to(self.flat_param.dtype)
+        if self.uses_buffer:  # reduced in the reduce dtype; the gradient lives with the shard, in the grad dtype
+            # (A blocking copy when offloading: the optimizer reads it on the CPU right after backward.)
+            output = pending.output[: self.local_shard.numel()]
+            self.new_grad = output.to(device=self.local_shard.device, dtype=self.grad_dtype)
         elif pending.output is not self.flat_param.grad:  # NO_SHARD reduced in another dtype: back into .grad
             self.flat_param.grad.copy_(pending.output)
 
@@ -353,7 +365,7 @@ class FlatParamHandle:
         self.reshard()
         if self.new_grad is not None:
             if self.flat_param.grad is None:
-                self.flat_param.grad = self.new_grad
+                _assign_grad(self.flat_param, self.new_grad)
             else:
                 self.flat_param.grad.add_(self.new_grad)
             self.new_grad = None
@@ -377,10 +389,13 @@ def _uniform(params: list[nn.Parameter], key, what: str):
     return values.pop()
 
 
-def _assign_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Set a gradient whose shape differs from the parameter's current (sharded) data, as torch FSDP1 does under
-    no_sync(): `.grad` assignment checks shapes against `.data`, so the data is swapped for a same-shape stand-in of
-    one element (an expanded view) around the assignment."""
+def _assign_grad(param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    """Set a gradient whose shape or dtype differs from the parameter's current data, as torch FSDP1 does under
+    no_sync() (unsharded gradients on sharded parameters) and with keep_low_precision_grads: `.grad` assignment
+    checks both against `.data`, so the data is swapped for a one-element stand-in (an expanded view) meanwhile."""
+    if grad is None or (grad.shape == param.shape and grad.dtype == param.dtype):
+        param.grad = grad
+        return
     data = param.data
     param.data = grad.new_empty(1).expand(grad.shape)
     param.grad = grad

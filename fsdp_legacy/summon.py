@@ -89,6 +89,7 @@ def _gather(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
     """The whole flat tensor of which every rank holds `shard` (the tensor itself under NO_SHARD)."""
     if not handle.sharded:
         return shard
+    shard = shard.to(handle.compute_device)  # an offloaded shard travels to the compute device for the collective
     full = torch.empty(handle.layout.padded_numel, dtype=shard.dtype, device=shard.device)
     comm.all_gather(full, shard.contiguous(), handle.group).wait()
     return full

@@ -73,8 +73,9 @@ def fsdp_kwargs(config: Config, enums) -> dict:
     prefetch = config.backward_prefetch
     extra = dict(config.extra)
     if config.mixed_precision is not None:
-        dtypes = [getattr(torch, name) if name else None for name in config.mixed_precision]
-        extra["mixed_precision"] = enums.MixedPrecision(*dtypes)
+        *names, keep = (*config.mixed_precision, False)[:4]
+        dtypes = [getattr(torch, name) if name else None for name in names]
+        extra["mixed_precision"] = enums.MixedPrecision(*dtypes, keep_low_precision_grads=bool(keep))
     return dict(
         sharding_strategy=enums.ShardingStrategy[config.strategy],
         use_orig_params=config.use_orig_params,

@@ -164,15 +164,6 @@ def _errors() -> None:
     mixed.l1.weight.requires_grad_(False)
     with pytest.raises(ValueError, match="uniform `requires_grad`"):
         FSDP(mixed)
-    refused = {
-        "offload_params=True": dict(cpu_offload=fsdp_legacy.CPUOffload(offload_params=True)),
-        "keep_low_precision_grads=True": dict(
-            mixed_precision=fsdp_legacy.MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
-        ),
-    }
-    for what, kwargs in refused.items():
-        with pytest.raises(NotImplementedError, match=what.replace("(", r"\(").replace(")", r"\)")):
-            FSDP(models.Net(), **kwargs)
 
 
 def test_errors() -> None:

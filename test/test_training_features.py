@@ -257,3 +257,33 @@ def _activation_checkpointing(style: str, strategy: str, use_orig_params: bool) 
                        ("inside", "FULL_SHARD", True), ("inside", "FULL_SHARD", False)])
 def test_activation_checkpointing_matches_ddp(style: str, strategy: str, use_orig_params: bool) -> None:
     run_on_ranks(_activation_checkpointing, 2, style, strategy, use_orig_params)
+
+
+def _cpu_offload(strategy: str, use_orig_params: bool) -> None:
+    from fsdp_legacy import CPUOffload
+
+    config = Config("transformer", strategy, "block", use_orig_params, extra={"cpu_offload": CPUOffload(True)})
+    reference, ours = build_ours(config)
+    ddp = DDP(reference)
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for step in range(3):
+        for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
+            model(_batch(step)).backward()
+            if model is ours:
+                assert all(p.device.type == "cpu" for p in ours.parameters())
+                ours_norm = ours.clip_grad_norm_(10.0)
+            else:
+                assert_close(ours_norm, nn.utils.clip_grad_norm_(ddp.parameters(), 10.0), "norm")
+            opt.step()
+            opt.zero_grad()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), name)
+    with FSDP.summon_full_params(ours):
+        assert_close(dict(ours.named_parameters())["tok.weight"], reference.tok.weight.detach(), "summoned")
+
+
+@parameterized.expand([("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", True), ("NO_SHARD", False)])
+def test_cpu_offload_matches_ddp(strategy: str, use_orig_params: bool) -> None:
+    """CPUOffload(offload_params=True) runs on a CPU-only machine (torch's FSDP1 fails there)."""
+    run_on_ranks(_cpu_offload, 2, strategy, use_orig_params)
