@@ -24,6 +24,7 @@ from .api import (
 )
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
     "BackwardPrefetch",
@@ -39,6 +40,7 @@ __all__ = [
     "OptimStateKeyType",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "StateDictConfig",
     "StateDictSettings",
