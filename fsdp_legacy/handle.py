@@ -211,6 +211,9 @@ class FlatParamHandle:
         chunks = self.flat_param.split(sizes)
         params = (chunk for chunk, (_, is_padding) in zip(chunks, layout.segments) if not is_padding)
         views = {info: chunk.view(info.shape) for info, chunk in zip(layout.params, params)}
+        for info, param in self.orig_params.items():
+            if not param.requires_grad:  # frozen (use_orig_params=True): autograd computes no gradient for it
+                views[info] = views[info].detach()
         for module, name, info in self._attributes():
             module.__dict__[name] = views[info]
 
