@@ -10,7 +10,7 @@ import os
 import traceback
 import warnings
 from enum import Enum
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -277,6 +277,9 @@ class FullyShardedDataParallel(nn.Module):
     set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
     get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
     state_dict_type = staticmethod(_state_dict.state_dict_type)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return _state_dict.load_state_dict(self, state_dict, strict, assign)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
