@@ -127,6 +127,7 @@ class FullyShardedDataParallel(nn.Module):
         self._use_orig_params = use_orig_params
         self._sync_gradients = True
         self._comm_hook: Optional[Callable] = None
+        self._buffer_dtypes: dict[str, torch.dtype] = {}  # original dtypes of buffers cast to buffer_dtype, by path
         self._comm_hook_state: object = None
         self.training_state = TrainingState.IDLE
         self._is_root: Optional[bool] = None
@@ -217,9 +218,10 @@ class FullyShardedDataParallel(nn.Module):
         if dtype is None:
             return
         wrapped = self._fsdp_wrapped_module
-        for _, sub in iter_unit_modules(wrapped, self._is_boundary_for(wrapped)):
+        for path, sub in iter_unit_modules(wrapped, self._is_boundary_for(wrapped)):
             for name, buffer in sub._buffers.items():
-                if buffer is not None and buffer.is_floating_point():
+                if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                    self._buffer_dtypes[f"{path}.{name}" if path else name] = buffer.dtype
                     sub._buffers[name] = buffer.to(dtype)
 
     def _post_backward_hook(self, flat_param: torch.Tensor) -> None:

@@ -199,7 +199,10 @@ def _post_state_dict_hook(unit: "Unit", destination: dict, prefix: str, local_me
         for key in own_buffers & entries.keys():
             if not keep:
                 del entries[key]
-            elif config.offload_to_cpu:
+                continue
+            # Buffers kept in MixedPrecision.buffer_dtype are saved in their original dtype, as torch does.
+            entries[key] = entries[key].to(unit._buffer_dtypes.get(key, entries[key].dtype))
+            if config.offload_to_cpu:
                 entries[key] = entries[key].cpu()
     destination.update((prefix + key, value) for key, value in entries.items())
 

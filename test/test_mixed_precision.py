@@ -46,6 +46,7 @@ def _low_precision_only_while_unsharded(strategy: str) -> None:
         flat = unit._handle.flat_param
         assert flat.dtype == torch.float32 and flat.grad.dtype == torch.float32, "full-precision master and grads"
         assert unit._handle.full_padded.untyped_storage().nbytes() == 0
+    assert ours.state_dict()["buf"].dtype == torch.float32, "FULL state dict keeps the buffers' own dtype"
     expected = full_params(ours)
     with FSDP.summon_full_params(ours):
         for name, param in ours.named_parameters():
