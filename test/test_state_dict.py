@@ -612,3 +612,36 @@ def _load_between_forward_and_backward() -> None:
 
 def test_load_between_forward_and_backward() -> None:
     run_on_ranks(_load_between_forward_and_backward, 2)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Migration of the model to FSDP2 (fully_shard) through DCP
+
+
+def _fsdp2_load(config: Config, path: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1)  # a different initialisation: everything must come from the checkpoint
+    model = models.Net()
+    fully_shard(model.block)
+    fully_shard(model)
+    sd = get_model_state_dict(model)
+    dcp.load({"model": sd}, checkpoint_id=path)
+    set_model_state_dict(model, sd)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: tensor for name, tensor in full.items() if name != "buf"}
+
+
+@pytest.mark.parametrize("world_size", [2, 1])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sharded_checkpoint_loads_into_fsdp2(tmp_path, use_orig_params: bool, world_size: int) -> None:
+    """Our SHARDED model state dict saved with DCP loads into torch's FSDP2 (fully_shard), also at another size."""
+    config = Config("net", use_orig_params=use_orig_params, steps=2)
+    saved = run_on_ranks(_dcp_save, 2, config, "SHARDED_STATE_DICT", str(tmp_path))[0]
+    for loaded in run_on_ranks(_fsdp2_load, world_size, config, str(tmp_path)):
+        assert_full_equal(loaded, saved, f"FSDP2 at world size {world_size}")
