@@ -54,5 +54,6 @@ def _inf_on_one_rank_skips_everywhere() -> None:
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, ours.parameters())), "every rank skips the step"
 
 
-def test_inf_on_one_rank_skips_the_step_on_all() -> None:
-    run_on_ranks(_inf_on_one_rank_skips_everywhere, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_inf_on_one_rank_skips_the_step_on_all(world_size: int) -> None:
+    run_on_ranks(_inf_on_one_rank_skips_everywhere, world_size)

@@ -24,6 +24,7 @@ CASES = [
     (Config("transformer", "SHARD_GRAD_OP", "block", True, mixed_precision=FP16), 2),
     (Config("transformer", "NO_SHARD", "block", False, mixed_precision=BF16), 2),
     (Config("net", "FULL_SHARD", "block", False, mixed_precision=("bfloat16", None, None, True)), 2),
+    (Config("net", "FULL_SHARD", "always", False, mixed_precision=FP16), 4),
     # (torch's FSDP1 itself fails with keep_low_precision_grads, use_orig_params=True and tied weights.)
     (Config("net", "SHARD_GRAD_OP", "block", True, mixed_precision=("bfloat16", "float32", None, True)), 2),
 ]

@@ -43,9 +43,9 @@ def _no_sync(strategy: str, use_orig_params: bool) -> None:
         assert_close(full[name], param.detach(), name)
 
 
-@parameterized.expand(STRATEGIES_X_UOP)
-def test_no_sync_matches_ddp(strategy: str, use_orig_params: bool) -> None:
-    run_on_ranks(_no_sync, 2, strategy, use_orig_params)
+@parameterized.expand([(s, u, 2) for s, u in STRATEGIES_X_UOP] + [("FULL_SHARD", True, 4)])
+def test_no_sync_matches_ddp(strategy: str, use_orig_params: bool, world_size: int) -> None:
+    run_on_ranks(_no_sync, world_size, strategy, use_orig_params)
 
 
 def _no_sync_grad_shapes_match_torch(use_orig_params: bool) -> None:
@@ -94,9 +94,12 @@ def _clip(strategy: str, use_orig_params: bool, norm_type: float) -> None:
         FSDP.fsdp_modules(ours)[1].clip_grad_norm_(1.0)
 
 
-@parameterized.expand([(s, u, p) for (s, u), p in zip(STRATEGIES_X_UOP, (2.0, 1.0, math.inf, 3.0, 2.0, math.inf))])
-def test_clip_grad_norm_matches_ddp(strategy: str, use_orig_params: bool, norm_type: float) -> None:
-    run_on_ranks(_clip, 2, strategy, use_orig_params, norm_type)
+CLIP_CASES = [(s, u, p, 2) for (s, u), p in zip(STRATEGIES_X_UOP, (2.0, 1.0, math.inf, 3.0, 2.0, math.inf))]
+
+
+@parameterized.expand(CLIP_CASES + [("FULL_SHARD", False, 2.0, 4), ("SHARD_GRAD_OP", True, math.inf, 4)])
+def test_clip_grad_norm_matches_ddp(strategy: str, use_orig_params: bool, norm_type: float, world_size: int) -> None:
+    run_on_ranks(_clip, world_size, strategy, use_orig_params, norm_type)
 
 
 def _summon(use_orig_params: bool, strategy: str) -> None:
@@ -140,9 +143,9 @@ def _summon(use_orig_params: bool, strategy: str) -> None:
     loss_of(ours(models.Net.batch(0))).backward()
 
 
-@parameterized.expand([(u, s) for u in (False, True) for s in ("FULL_SHARD", "NO_SHARD")])
-def test_summon_full_params(use_orig_params: bool, strategy: str) -> None:
-    run_on_ranks(_summon, 2, use_orig_params, strategy)
+@parameterized.expand([(u, s, 2) for u in (False, True) for s in ("FULL_SHARD", "NO_SHARD")] + [(True, "FULL_SHARD", 4)])
+def test_summon_full_params(use_orig_params: bool, strategy: str, world_size: int) -> None:
+    run_on_ranks(_summon, world_size, use_orig_params, strategy)
 
 
 def _summon_with_grads(use_orig_params: bool) -> None:
@@ -283,7 +286,8 @@ def _cpu_offload(strategy: str, use_orig_params: bool) -> None:
         assert_close(dict(ours.named_parameters())["tok.weight"], reference.tok.weight.detach(), "summoned")
 
 
-@parameterized.expand([("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", True), ("NO_SHARD", False)])
-def test_cpu_offload_matches_ddp(strategy: str, use_orig_params: bool) -> None:
+@parameterized.expand([("FULL_SHARD", False, 2), ("SHARD_GRAD_OP", True, 2), ("NO_SHARD", True, 2),
+                       ("NO_SHARD", False, 2), ("FULL_SHARD", True, 4)])
+def test_cpu_offload_matches_ddp(strategy: str, use_orig_params: bool, world_size: int) -> None:
     """CPUOffload(offload_params=True) runs on a CPU-only machine (torch's FSDP1 fails there)."""
-    run_on_ranks(_cpu_offload, 2, strategy, use_orig_params)
+    run_on_ranks(_cpu_offload, world_size, strategy, use_orig_params)
