@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import optim_state as _optim_state
 from . import state_dict as _state_dict
 from .clip_grad import clip_grad_norm_
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -279,6 +280,16 @@ class FullyShardedDataParallel(nn.Module):
     set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
     get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
     state_dict_type = staticmethod(_state_dict.state_dict_type)
+
+    # Optimizer state dicts (optim_state.py)
+    optim_state_dict = staticmethod(_optim_state.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(_optim_state.optim_state_dict_to_load)
+    full_optim_state_dict = staticmethod(_optim_state.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(_optim_state.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(_optim_state.shard_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(_optim_state.flatten_sharded_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(_optim_state.scatter_full_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(_optim_state.rekey_optim_state_dict)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         return _state_dict.load_state_dict(self, state_dict, strict, assign)

@@ -1,0 +1,484 @@
+"""Optimizer state dicts of FSDP models in torch FSDP1's formats (FSDP.optim_state_dict / optim_state_dict_to_load).
+
+The optimizer sees flat-parameter shards (use_orig_params=False: one 1-D state per unit) or 1-D pieces of the
+original parameters (use_orig_params=True; none on a rank that holds no element). Checkpoints instead name every
+original parameter by its clean FQN:
+
+* saving, per unit and state name: assemble this rank's shard of the flat state, all-gather it, cut out each original
+  parameter (FULL: a copy of the original shape; SHARDED/LOCAL: its dim-0 chunk as a ShardedTensor or DTensor, the
+  layout of the SHARDED model state dict). 0-d states (`step`) and non-tensors are copied, never gathered.
+* loading: the inverse, without communication for plain tensors (with FULL rank0_only, rank 0's dict is broadcast
+  first): each rank slices what its shard holds out of the full value. Parameters are matched by FQN, never by
+  position, so a checkpoint loads across use_orig_params settings, wrap policies and world sizes.
+"""
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _collectives as comm
+from . import fully_sharded_data_parallel as _fsdp  # circular: only used at call time
+from .api import (
+    FullOptimStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    StateDictType,
+)
+from .flat_param import ParamInfo
+from .handle import FlatParamHandle
+from .state_dict import (
+    _chunk_dtensor,
+    _chunk_sharded_tensor,
+    _clean,
+    _copy,
+    _full_tensor,
+    get_state_dict_type,
+)
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+_OPTIM_INPUT_WARNING = (
+    "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. You may remove it from your "
+    "code without changing its functionality."
+)
+
+
+def _deprecated(name: str, replacement: str) -> None:
+    # torch's text, including the missing space before "is being".
+    warnings.warn(
+        f"``FullyShardedDataParallel.{name}``is being deprecated and is replaced by "
+        f"``FullyShardedDataParallel.{replacement}``. ``FullyShardedDataParallel.{name}`` may be removed after "
+        "PyTorch 2.2.",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One parameter the optimizer steps on and the original parameters (FQN, layout info) it stands for."""
+
+    fqns: tuple[str, ...]
+    infos: tuple[ParamInfo, ...]  # empty for a parameter outside every FSDP unit
+    unit: Optional["Unit"] = None
+
+    @property
+    def handle(self) -> Optional[FlatParamHandle]:
+        return self.unit._handle if self.unit is not None else None
+
+
+def _entries(model: nn.Module, optim: torch.optim.Optimizer) -> list[tuple[int, _Entry]]:
+    """(optimizer group index, entry) of every optimizer parameter, in `optim.state_dict()` id order."""
+    by_param: dict[nn.Parameter, _Entry] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, _fsdp.FullyShardedDataParallel) or module._handle is None:
+            continue
+        handle, prefix = module._handle, _clean(f"{name}." if name else "")
+        if handle.use_orig_params:
+            for info, param in handle.orig_params.items():
+                by_param[param] = _Entry((prefix + info.fqn,), (info,), module)
+        else:
+            infos = handle.layout.params
+            by_param[handle.flat_param] = _Entry(tuple(prefix + i.fqn for i in infos), infos, module)
+    for name, param in model.named_parameters():  # ignored parameters, or ones outside every unit
+        by_param.setdefault(param, _Entry((_clean(name),), ()))
+    result = []
+    for index, group in enumerate(optim.param_groups):
+        for param in group["params"]:
+            if param not in by_param:
+                raise ValueError(
+                    f"The optimizer holds a parameter of shape {tuple(param.shape)} that is not in the model: build "
+                    "the optimizer from the FSDP-wrapped model's parameters (after wrapping)."
+                )
+            result.append((index, by_param[param]))
+    return result
+
+
+def _is_scalar(value: Any) -> bool:
+    """States that are copied, not sharded: non-tensors and 0-d tensors such as Adam's `step`."""
+    return not isinstance(value, torch.Tensor) or value.dim() == 0
+
+
+def _copy_scalar(value: Any) -> Any:
+    # A copy: optimizers update `step` in place, which would otherwise change a saved dict.
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _local_state_by_fqn(entries: list[tuple[int, _Entry]], state: dict[int, dict[str, Any]]) -> dict[str, dict]:
+    """Per FQN, the local state values (flat-parameter states are listed under each of its FQNs)."""
+    result: dict[str, dict[str, Any]] = {}
+    for key, (_, entry) in enumerate(entries):
+        if key in state:
+            for fqn in entry.fqns:
+                result[fqn] = state[key]
+    return result
+
+
+def _global_specs(local: dict[str, dict[str, Any]], group: Optional[dist.ProcessGroup]) -> dict[str, dict[str, Any]]:
+    """Per FQN and state name, across ranks: the dtype of a sharded state, or the value of a scalar one.
+
+    Ranks can lack a parameter's state (use_orig_params=True, no local elements); they still have to join the gathers
+    and, for rank0_only, rank 0 needs the scalars of parameters it holds no part of."""
+    # Scalars travel on the CPU: an unpickled accelerator tensor would land on the sender's device index.
+    mine = {
+        fqn: {name: (False, _to_cpu(v)) if _is_scalar(v) else (True, v.dtype) for name, v in values.items()}
+        for fqn, values in local.items()
+    }
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    merged: dict[str, dict[str, Any]] = {}
+    for specs in everyone:
+        for fqn, names in specs.items():
+            for name, spec in names.items():
+                merged.setdefault(fqn, {}).setdefault(name, spec)
+    return merged
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Saving
+
+
+def optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: Optional[dict[str, Any]] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> dict[str, Any]:
+    """The optimizer state keyed by clean FQNs, in the format of the model's current state_dict_type: FULL gives
+    full tensors of the original shapes (honouring rank0_only and offload_to_cpu); SHARDED and LOCAL give their
+    dim-0 chunks as ShardedTensors (DTensors with a device mesh). `group` (default: the world) is where the parameters'
+    state names are exchanged and whose rank 0 keeps the dict with rank0_only; each unit gathers over its own group."""
+    settings = get_state_dict_type(model)
+    if settings is None:
+        raise ValueError("optim_state_dict needs a model with at least one FullyShardedDataParallel unit.")
+    return _save(model, optim, optim_state_dict, settings.state_dict_type, settings.optim_state_dict_config, group)
+
+
+@torch.no_grad()
+def _save(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    osd: Optional[dict[str, Any]],
+    kind: StateDictType,
+    config: OptimStateDictConfig,
+    group: Optional[dist.ProcessGroup] = None,
+) -> dict[str, Any]:
+    osd = optim.state_dict() if osd is None else osd
+    entries = _entries(model, optim)
+    local = _local_state_by_fqn(entries, osd["state"])
+    specs = _global_specs(local, group)
+    rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank(group) == 0
+    full = kind == StateDictType.FULL_STATE_DICT
+    values: dict[str, dict[str, Any]] = {}  # fqn -> name -> saved value
+    by_unit: dict[int, list[tuple[int, _Entry]]] = {}  # a unit's parameters are gathered together
+    for key, (_, entry) in enumerate(entries):
+        if entry.unit is not None:
+            by_unit.setdefault(id(entry.unit), []).append((key, entry))
+        elif keep:
+            values[entry.fqns[0]] = {n: _copy_scalar(v) if _is_scalar(v) else _copy(v, config.offload_to_cpu)
+                                     for n, v in osd["state"].get(key, {}).items()}
+    for unit_entries in by_unit.values():
+        unit = unit_entries[0][1].unit
+        assert unit is not None
+        for fqn, gathered in _gather_unit(unit, unit_entries, osd["state"], local, specs):
+            if keep:
+                values[fqn] = {name: _save_value(value, unit, full, config) for name, value in gathered.items()}
+    if not keep:
+        return {}
+    state = {fqn: values[fqn] for _, entry in entries for fqn in entry.fqns if values.get(fqn)}
+    if any(entry.handle is not None and entry.handle.use_orig_params for _, entry in entries):
+        state = _in_torch_uop_order(state, entries)
+    param_groups = []
+    for index, saved_group in enumerate(osd["param_groups"]):
+        fqns = [fqn for g, entry in entries if g == index for fqn in entry.fqns]
+        param_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": fqns})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _in_torch_uop_order(state: dict[str, Any], entries: list[tuple[int, _Entry]]) -> dict[str, Any]:
+    """torch's FQN order with use_orig_params (it walks the sorted FQNs, copying parameters outside FSDP units at
+    once and deferring the others to their unit): unmanaged sorted, then unit by unit in the order the sorted FQNs
+    first reach them, each unit's sorted."""
+    unit_of = {fqn: id(entry.unit) for _, entry in entries if entry.unit is not None for fqn in entry.fqns}
+    unit_rank: dict[int, int] = {}
+    for fqn in sorted(state):
+        if fqn in unit_of:
+            unit_rank.setdefault(unit_of[fqn], len(unit_rank))
+    return dict(sorted(state.items(), key=lambda kv: (unit_rank[unit_of[kv[0]]] if kv[0] in unit_of else -1, kv[0])))
+
+
+def _gather_unit(
+    unit: "Unit",
+    unit_entries: list[tuple[int, _Entry]],
+    state: dict[int, dict[str, Any]],
+    local_by_fqn: dict[str, dict[str, Any]],
+    specs: dict[str, dict],
+) -> Iterable[tuple[str, dict[str, Any]]]:
+    """(fqn, {state name: full tensor view or scalar}) of the unit's parameters that have state anywhere; a scalar
+    is this rank's own where it has one, else another rank's."""
+    handle = unit._handle
+    assert handle is not None
+    shard_numel = handle.local_shard.numel()
+    pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
+    infos = [(info, fqn) for _, e in unit_entries for info, fqn in zip(e.infos, e.fqns)]
+    names = {name: spec[1] for _, fqn in infos for name, spec in specs.get(fqn, {}).items() if spec[0]}
+    gathered: dict[str, torch.Tensor] = {}
+    for name, dtype in names.items():
+        local = torch.zeros(shard_numel, dtype=dtype, device=handle.local_shard.device)
+        for key, entry in unit_entries:
+            value = state.get(key, {}).get(name)
+            if value is None:
+                continue
+            if not handle.use_orig_params:
+                local.copy_(value.reshape(-1))  # the flat parameter's state is this rank's whole shard
+            elif not handle.sharded:
+                info = entry.infos[0]
+                local[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
+            elif entry.infos[0] in pieces:
+                piece = pieces[entry.infos[0]]
+                local[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard].copy_(value.reshape(-1))
+        if handle.sharded:
+            flat = torch.empty(handle.layout.padded_numel, dtype=dtype, device=local.device)
+            comm.all_gather(flat, local, handle.group).wait()
+            gathered[name] = flat
+        else:
+            gathered[name] = local
+    for info, fqn in infos:
+        if fqn not in specs:
+            continue
+        mine = local_by_fqn.get(fqn, {})
+        yield fqn, {
+            name: gathered[name][info.offset : info.offset + info.numel].view(info.shape)
+            if is_tensor
+            else mine.get(name, value)
+            for name, (is_tensor, value) in _in_torch_order(specs[fqn], handle.use_orig_params)
+        }
+
+
+def _in_torch_order(specs: dict[str, Any], use_orig_params: bool) -> list[tuple[str, Any]]:
+    """The state names in torch's order: the optimizer's with use_orig_params; else the gathered states, then 0-d
+    tensors, then other values, each group by name."""
+    if use_orig_params:
+        return list(specs.items())
+
+    def rank(item: tuple[str, tuple[bool, Any]]) -> tuple[int, str]:
+        name, (is_tensor, value) = item
+        return (0 if is_tensor else 1 if isinstance(value, torch.Tensor) else 2), name
+
+    return sorted(specs.items(), key=rank)
+
+
+def _save_value(value: Any, unit: "Unit", full: bool, config: OptimStateDictConfig) -> Any:
+    if _is_scalar(value):
+        return _copy_scalar(value)
+    handle = unit._handle
+    assert handle is not None
+    # NO_SHARD with use_orig_params keeps full tensors under SHARDED/LOCAL too, as torch does (not without).
+    if full or (not handle.sharded and handle.use_orig_params):
+        return _copy(value, config.offload_to_cpu)  # never a view of the gather buffer (torch's CPU bug)
+    if getattr(config, "_use_dtensor", False) or unit._device_mesh is not None:
+        return _chunk_dtensor(value, unit, config.offload_to_cpu)
+    return _chunk_sharded_tensor(value, handle, config.offload_to_cpu)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def optim_state_dict_to_load(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any],
+    is_named_optimizer: bool = False,
+    load_directly: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+) -> dict[str, Any]:
+    """This rank's part of an FQN-keyed optimizer state dict (FULL, SHARDED or LOCAL values), keyed as
+    `optim.state_dict()` is: int ids, flat shard states (use_orig_params=False) or 1-D pieces of the original
+    parameters (True). With a FULL rank0_only config only rank 0 needs to pass the dict. `load_directly` loads it."""
+    if is_named_optimizer:
+        raise NotImplementedError(
+            "is_named_optimizer=True (FQN-keyed optimizers such as torchrec's KeyedOptimizer) is not supported; use a "
+            "torch.optim optimizer, whose state dict is keyed by parameter ids."
+        )
+    settings = get_state_dict_type(model)
+    if settings is None:
+        raise ValueError("optim_state_dict_to_load needs a model with at least one FullyShardedDataParallel unit.")
+    config = settings.optim_state_dict_config
+    rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
+    result = _to_load(model, optim, optim_state_dict, broadcast=rank0_only, group=group)
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
+
+
+@torch.no_grad()
+def _to_load(
+    model: nn.Module, optim: torch.optim.Optimizer, osd: Any, broadcast: bool, group: Optional[dist.ProcessGroup] = None
+) -> dict[str, Any]:
+    if broadcast and dist.is_initialized() and dist.get_world_size(group) > 1:
+        holder = [osd if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(holder, group=group, group_src=0)  # rank 0's dict reaches every rank
+        osd = holder[0]
+    entries = _entries(model, optim)
+    saved = osd["state"]
+    state: dict[int, dict[str, Any]] = {}
+    for key, (_, entry) in enumerate(entries):
+        handle = entry.handle
+        value_group = handle.group if handle is not None else group or dist.group.WORLD
+        assert value_group is not None
+        # Every rank reassembles every value (ShardedTensors need all ranks), then keeps what it holds.
+        fulls = [{n: _full_tensor(v, value_group) if not _is_scalar(v) else v for n, v in saved.get(fqn, {}).items()}
+                 for fqn in entry.fqns]
+        for fqn, info, values in zip(entry.fqns, entry.infos, fulls):
+            _check_shapes(fqn, info, values)
+        if handle is None:
+            local = {n: _copy_scalar(v) if _is_scalar(v) else v.clone() for n, v in fulls[0].items()}
+        elif not handle.use_orig_params:
+            local = _flat_local(handle, entry.infos, fulls)
+        else:
+            local = _piece_local(handle, entry.infos[0], fulls[0])
+        if local:
+            state[key] = local
+    return {"state": state, "param_groups": _param_groups(optim, entries, osd["param_groups"])}
+
+
+def _check_shapes(fqn: str, info: ParamInfo, values: dict[str, Any]) -> None:
+    # Slicing a state of another shape would load garbage silently (or fail far from the cause).
+    for name, value in values.items():
+        if not _is_scalar(value) and value.shape != info.shape:
+            raise ValueError(
+                f"The optimizer state '{name}' of {fqn} has shape {tuple(value.shape)} but the parameter has shape "
+                f"{tuple(info.shape)}: load an optimizer state dict saved from this model (same architecture)."
+            )
+
+
+def _flat_local(handle: FlatParamHandle, infos: tuple[ParamInfo, ...], fulls: list[dict[str, Any]]) -> dict[str, Any]:
+    """use_orig_params=False: the flat parameter's state is this rank's shard of the concatenated full states
+    (padding and parameters without that state are zeros); scalars come from the first parameter that has them."""
+    local: dict[str, Any] = {}
+    n = handle.local_shard.numel()
+    lo = handle.rank * n if handle.sharded else 0
+    for info, values in zip(infos, fulls):
+        for name, value in values.items():
+            if _is_scalar(value):
+                local.setdefault(name, _copy_scalar(value))
+                continue
+            if name not in local:
+                local[name] = torch.zeros(n, dtype=value.dtype, device=handle.local_shard.device)
+            start, end = max(lo, info.offset), min(lo + n, info.offset + info.numel)
+            if start < end:
+                local[name][start - lo : end - lo].copy_(value.reshape(-1)[start - info.offset : end - info.offset])
+    return local
+
+
+def _piece_local(handle: FlatParamHandle, info: ParamInfo, values: dict[str, Any]) -> dict[str, Any]:
+    """use_orig_params=True: the part of each state this rank's shard holds, 1-D like the parameter; no state at all
+    when it holds no element (as torch's optimizer, which never saw a gradient for an empty parameter)."""
+    if not handle.sharded:
+        return {n: _copy_scalar(v) if _is_scalar(v) else v.detach().clone() for n, v in values.items()}
+    piece = next((p for p in handle.layout.shard_pieces(handle.rank) if p.info is info), None)
+    if piece is None:
+        return {}
+    lo, hi = piece.start_in_param, piece.start_in_param + piece.numel_in_shard
+    return {n: _copy_scalar(v) if _is_scalar(v) else v.reshape(-1)[lo:hi].clone() for n, v in values.items()}
+
+
+def _param_groups(optim: torch.optim.Optimizer, entries: list[tuple[int, _Entry]], saved: list[dict]) -> list[dict]:
+    """The optimizer's groups with the saved hyperparameters of the group that holds the same FQNs."""
+    saved_group_of = {fqn: group for group in saved for fqn in group["params"]}
+    groups = []
+    for index, group in enumerate(optim.param_groups):
+        ids = [key for key, (g, _) in enumerate(entries) if g == index]
+        match = next((saved_group_of[f] for k in ids for f in entries[k][1].fqns if f in saved_group_of), group)
+        groups.append({**{k: v for k, v in match.items() if k != "params"}, "params": ids})
+    return groups
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The older API (deprecated in torch): thin wrappers over the two functions above
+
+
+def full_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_input: Any = None,
+    rank0_only: bool = True,
+    group: Optional[dist.ProcessGroup] = None,
+) -> dict[str, Any]:
+    _deprecated("full_optim_state_dict", "optim_state_dict")
+    _check_optim_input(optim_input)
+    config = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only)
+    return _save(model, optim, None, StateDictType.FULL_STATE_DICT, config, group)
+
+
+def sharded_optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup] = None
+) -> dict[str, Any]:
+    _deprecated("sharded_optim_state_dict", "optim_state_dict")
+    return _save(model, optim, None, StateDictType.SHARDED_STATE_DICT, ShardedOptimStateDictConfig(), group)
+
+
+def shard_full_optim_state_dict(
+    full_optim_state_dict: dict[str, Any],
+    model: nn.Module,
+    optim_input: Any = None,
+    optim: Optional[torch.optim.Optimizer] = None,
+) -> dict[str, Any]:
+    _deprecated("shard_full_optim_state_dict", "optim_state_dict_to_load")
+    return _to_load(model, _need_optim(optim, optim_input), full_optim_state_dict, broadcast=False)
+
+
+def flatten_sharded_optim_state_dict(
+    sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    _deprecated("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+    return _to_load(model, optim, sharded_optim_state_dict, broadcast=False)
+
+
+def scatter_full_optim_state_dict(
+    full_optim_state_dict: Optional[dict[str, Any]],
+    model: nn.Module,
+    optim_input: Any = None,
+    optim: Optional[torch.optim.Optimizer] = None,
+    group: Optional[Any] = None,
+) -> dict[str, Any]:
+    _deprecated("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+    return _to_load(model, _need_optim(optim, optim_input), full_optim_state_dict, broadcast=True, group=group)
+
+
+def rekey_optim_state_dict(
+    optim_state_dict: dict[str, Any], optim_state_key_type: Any, model: nn.Module, optim_input: Any = None,
+    optim: Optional[torch.optim.Optimizer] = None,
+) -> dict[str, Any]:
+    raise NotImplementedError(
+        "FSDP.rekey_optim_state_dict is not supported: FSDP.optim_state_dict returns FQN-keyed dicts and "
+        "FSDP.optim_state_dict_to_load turns them into the optimizer's id-keyed dicts, matching parameters by name."
+    )
+
+
+def _check_optim_input(optim_input: Any) -> None:
+    if optim_input is not None:
+        warnings.warn(_OPTIM_INPUT_WARNING, FutureWarning, stacklevel=3)
+
+
+def _need_optim(optim: Optional[torch.optim.Optimizer], optim_input: Any) -> torch.optim.Optimizer:
+    _check_optim_input(optim_input)
+    if optim is None:
+        raise NotImplementedError(
+            "Pass the optimizer as optim=...: deriving the parameter order from optim_input is not supported (use "
+            "FSDP.optim_state_dict_to_load(model, optim, optim_state_dict))."
+        )
+    return optim
