@@ -4,11 +4,17 @@
     python tools/bench.py --steps 3 --warmup 1 --rounds 1 --impls torch_fsdp1,fsdp2,ddp
     python tools/bench.py --out docs/benchmarks.md     # also rewrite the table in that file
     python tools/bench.py --plot docs/benchmarks.png   # also draw a figure (needs matplotlib)
+    python tools/bench.py --models gpt-bf16            # one model: GPT in bf16 mixed precision
 
 The script spawns its own ranks. Every rank builds each model from the same seed and feeds
 every implementation the same per-rank batch. A step is forward + backward + SGD(momentum)
 step. Timed steps run interleaved (A B C D A B C D ...) so drift on a shared machine hits all
 implementations alike; each step time is the slowest rank's, and the table shows the median.
+
+A ``-bf16`` model (``gpt-bf16``) is the same model and data with bf16 mixed precision:
+FSDP1 (ours and torch) get ``MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32,
+buffer_dtype=bfloat16)``, FSDP2 gets ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)``. DDP has no equivalent and is not run on those models.
 
 Peak memory is measured in a separate, untimed pass per implementation (built alone, one
 warm-up step, then one measured step) so the measurement costs nothing in the timings:
@@ -30,7 +36,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -51,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import fsdp_lega
 from gpt import GPT, Block, DeepMLP, GPTConfig, MLPBlock
 
 IMPLS = ["ours", "torch_fsdp1", "fsdp2", "ddp"]
-MODELS = ["gpt", "mlp"]
+MODELS = ["gpt", "gpt-bf16", "mlp"]
+BF16_IMPLS = ["ours", "torch_fsdp1", "fsdp2"]  # implementations with a bf16 mixed-precision policy
 BASELINE = "torch_fsdp1"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -67,9 +74,13 @@ class Workload:
     unit: type[nn.Module]  # the class that becomes one FSDP unit
     loss: Callable[[nn.Module], torch.Tensor]  # forward on the fixed batch
     desc: str
+    bf16: bool = False  # bf16 mixed precision: bf16 compute, fp32 sharded params and grad reduction
 
 
 def make_workload(name: str, rank: int, device: torch.device, seed: int) -> Workload:
+    if name.endswith("-bf16"):  # same model and data, bf16 mixed precision
+        wl = make_workload(name.removesuffix("-bf16"), rank, device, seed)
+        return replace(wl, bf16=True, desc=wl.desc + ", bf16 mixed precision")
     g = torch.Generator().manual_seed(seed + 1 + rank)  # ranks get different data
 
     def seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -98,23 +109,34 @@ def make_workload(name: str, rank: int, device: torch.device, seed: int) -> Work
     raise ValueError(f"unknown model {name!r}")
 
 
-def wrap(impl: str, module: nn.Module, unit: type[nn.Module], device: torch.device) -> nn.Module:
-    """Shard/replicate ``module`` with ``impl``, one unit per ``unit`` instance (FSDP-style)."""
+def wrap(impl: str, wl: Workload, device: torch.device) -> nn.Module:
+    """Shard/replicate a new ``wl`` model with ``impl``, one unit per ``wl.unit`` (FSDP-style)."""
+    module, bf16 = wl.build(), torch.bfloat16
     if impl in ("ours", "torch_fsdp1"):
         fsdp = importlib.import_module("fsdp_legacy" if impl == "ours" else "torch.distributed.fsdp")
-        policy = importlib.import_module(f"{fsdp.__name__}.wrap").ModuleWrapPolicy({unit})
+        policy = importlib.import_module(f"{fsdp.__name__}.wrap").ModuleWrapPolicy({wl.unit})
+        mp = None
+        if wl.bf16:
+            mp = fsdp.MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32, buffer_dtype=bf16)
         # Identical arguments: ours is a drop-in replacement.
-        return fsdp.FullyShardedDataParallel(module, auto_wrap_policy=policy, device_id=device)
+        return fsdp.FullyShardedDataParallel(
+            module, auto_wrap_policy=policy, mixed_precision=mp, device_id=device
+        )
     if impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mp2 = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+        if not wl.bf16:
+            mp2 = MixedPrecisionPolicy()  # the default: no mixed precision
         for m in module.modules():
-            if isinstance(m, unit):
-                fully_shard(m, mesh=mesh)
-        fully_shard(module, mesh=mesh)
+            if isinstance(m, wl.unit):
+                fully_shard(m, mesh=mesh, mp_policy=mp2)
+        fully_shard(module, mesh=mesh, mp_policy=mp2)
         return module
+    if wl.bf16:
+        raise ValueError(f"{impl} has no bf16 mixed-precision policy here")
     if impl == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -127,7 +149,7 @@ class Runner:
 
     def __init__(self, impl: str, wl: Workload, device: torch.device) -> None:
         self.wl, self.device = wl, device
-        self.model = wrap(impl, wl.build(), wl.unit, device)
+        self.model = wrap(impl, wl, device)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
 
     def step(self) -> None:
@@ -290,7 +312,8 @@ def guarded(row: Row, phase: str, fn: Callable[[], Any]) -> Any:
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> list[Row]:
     wl = make_workload(name, dist.get_rank(), device, args.seed)
-    rows = {impl: Row(name, impl) for impl in args.impls}
+    impls = [i for i in args.impls if i in BF16_IMPLS] if wl.bf16 else args.impls
+    rows = {impl: Row(name, impl) for impl in impls}
 
     log(f"[{name}] memory pass: {', '.join(rows)}")
     for impl, row in rows.items():

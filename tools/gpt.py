@@ -101,7 +101,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            # In float32 even when the model computes in bf16/fp16 (mixed precision).
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
 
