@@ -150,6 +150,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: 
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
+def assert_same_params(ours: nn.Module, reference: nn.Module, what: str = "") -> None:
+    """Every parameter of the plain `reference` model equals the full parameter of our FSDP model."""
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), f"{what}{name}")
+
+
 def train(model: nn.Module, config: Config, step_fn: Optional[Callable[[int], None]] = None) -> list[float]:
     """SGD-with-momentum steps on per-rank data; `step_fn(step)` runs after each backward, before the step."""
     opt = optimizer(model)

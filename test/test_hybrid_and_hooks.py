@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP, ShardingStrategy
 from fsdp_legacy.wrap import ModuleWrapPolicy
-from fsdp_utils import Config, assert_close, build_ours, build_torch_fsdp, full_params, loss_of, optimizer
+from fsdp_utils import Config, assert_close, assert_same_params, build_ours, build_torch_fsdp, loss_of, optimizer
 from harness import run_on_ranks
 
 
@@ -49,9 +49,7 @@ def _hybrid(strategy: str, groups: str, use_orig_params: bool) -> None:
             model(batch).backward()
             opt.step()
             opt.zero_grad()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
 
 
 @parameterized.expand([
@@ -100,9 +98,7 @@ def _default_hooks(strategy: str, use_orig_params: bool) -> None:
             opt.zero_grad()
     assert len(calls) == 3 * len(FSDP.fsdp_modules(ours))
     assert all(len(shapes) == (1 if strategy == "NO_SHARD" else 2) for shapes in calls)
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
 
 
 @parameterized.expand([("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)])

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.wrap import ModuleWrapPolicy
-from fsdp_utils import assert_close, full_params, loss_of, optimizer
+from fsdp_utils import assert_close, assert_same_params, full_params, loss_of, optimizer
 from harness import run_on_ranks
 
 
@@ -71,9 +71,7 @@ def _meta_init(use_param_init_fn: bool) -> None:
         torch.manual_seed(1)
         ours = FSDP(meta, auto_wrap_policy=ModuleWrapPolicy({models.Block}))
         ours.buf.copy_(reference.buf)  # buffers have no reset_parameters: to_empty leaves them uninitialised
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
     ddp = DDP(reference)
     our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
     for step in range(2):

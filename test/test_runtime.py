@@ -12,7 +12,7 @@ import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.runtime import TrainingState
 from fsdp_legacy.wrap import enable_wrap, wrap
-from fsdp_utils import Config, assert_close, build_ours, build_torch_fsdp, full_params, loss_of, optimizer
+from fsdp_utils import Config, assert_close, assert_same_params, build_ours, build_torch_fsdp, loss_of, optimizer
 from harness import run_on_ranks
 
 
@@ -56,9 +56,7 @@ def _no_grad_paths(strategy: str, use_orig_params: bool) -> None:
             loss_of(model(batch)).backward()
             opt.step()
             opt.zero_grad()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
     assert all(_is_sharded(u) for u in units), "everything resharded after backward"
 
 
@@ -100,9 +98,7 @@ def _several_forwards(use_orig_params: bool, prefetch: bool) -> None:
         model(x1)  # never backpropagated
         loss_of(model(x2)).backward()
         opt.step()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
 
 
 @parameterized.expand([(False, False), (True, True)])
@@ -126,9 +122,7 @@ def _manual_wrap(use_orig_params: bool) -> None:
             model(x).backward()
             opt.step()
             opt.zero_grad()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -195,9 +189,7 @@ def _accumulation(strategy: str, use_orig_params: bool) -> None:
                 loss_of(model(models.Net.batch(100 * step + 10 * micro + dist.get_rank()))).backward()
             opt.step()
             opt.zero_grad()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
 
 
 @parameterized.expand([(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for u in (False, True)])

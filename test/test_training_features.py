@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.wrap import ModuleWrapPolicy
-from fsdp_utils import Config, assert_close, build_ours, build_torch_fsdp, full_params, loss_of, optimizer
+from fsdp_utils import Config, assert_close, assert_same_params, build_ours, build_torch_fsdp, full_params, loss_of, optimizer
 from harness import run_on_ranks
 
 STRATEGIES_X_UOP = [(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for u in (False, True)]
@@ -38,9 +38,7 @@ def _no_sync(strategy: str, use_orig_params: bool) -> None:
             model(_batch(step, 2)).backward()
             opt.step()
             opt.zero_grad()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
 
 
 @parameterized.expand([(s, u, 2) for s, u in STRATEGIES_X_UOP] + [("FULL_SHARD", True, 4)])
@@ -87,9 +85,7 @@ def _clip(strategy: str, use_orig_params: bool, norm_type: float) -> None:
         ddp_opt.step()
         our_opt.zero_grad()
         ddp_opt.zero_grad()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
     with pytest.raises(RuntimeError, match="should only be called on the root FSDP instance"):
         FSDP.fsdp_modules(ours)[1].clip_grad_norm_(1.0)
 
@@ -193,9 +189,7 @@ def _apply(use_orig_params: bool) -> None:
 
     ours.apply(zero_biases)
     reference.apply(zero_biases)
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -251,9 +245,7 @@ def _activation_checkpointing(style: str, strategy: str, use_orig_params: bool) 
             model(_batch(step)).backward()
             opt.step()
             opt.zero_grad()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
 
 
 @parameterized.expand([("wrapper", "FULL_SHARD", False), ("wrapper", "SHARD_GRAD_OP", True),
@@ -279,9 +271,7 @@ def _cpu_offload(strategy: str, use_orig_params: bool) -> None:
                 assert_close(ours_norm, nn.utils.clip_grad_norm_(ddp.parameters(), 10.0), "norm")
             opt.step()
             opt.zero_grad()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), name)
+    assert_same_params(ours, reference)
     with FSDP.summon_full_params(ours):
         assert_close(dict(ours.named_parameters())["tok.weight"], reference.tok.weight.detach(), "summoned")
 
