@@ -523,3 +523,60 @@ def test_signatures_match_torch() -> None:
         ours, theirs = (inspect.signature(getattr(lib, name)) for lib in (FSDP, torch_fsdp.FullyShardedDataParallel))
         assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == \
             [(p.name, p.default, p.kind) for p in theirs.parameters.values()], name
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Migration of model and optimizer state to FSDP2 (fully_shard) through DCP
+
+
+def _save_sharded_for_fsdp2(uop: bool, path: str) -> tuple[list[torch.Tensor], dict]:
+    import torch.distributed.checkpoint as dcp
+
+    config = Config("net", use_orig_params=uop)
+    _, model = build_ours(config)
+    optim = adam(model)
+    train(model, optim, config, range(2))
+    with quiet(FSDP.state_dict_type, model, fsdp_legacy.StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=path)
+    losses = train(model, optim, config, range(2, 4))  # what continuing with fsdp_legacy gives
+    return losses, full_params(model)
+
+
+def _continue_in_fsdp2(uop: bool, path: str) -> tuple[list[torch.Tensor], dict]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(123)  # a different initialisation: everything must come from the checkpoint
+    model = models.Net()
+    fully_shard(model.block)
+    fully_shard(model)
+    optim = adam(model)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    losses = train(model, optim, Config("net", use_orig_params=uop), range(2, 4))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return losses, {name: tensor for name, tensor in full.items() if name != "buf"}
+
+
+@pytest.mark.parametrize("uop", [False, True])
+def test_training_continues_identically_in_fsdp2(tmp_path, uop: bool) -> None:
+    """Model and Adam state saved by fsdp_legacy (SHARDED, DCP) load into FSDP2, which then trains exactly as
+    fsdp_legacy would have."""
+    expected = run_on_ranks(_save_sharded_for_fsdp2, 2, uop, str(tmp_path))
+    actual = run_on_ranks(_continue_in_fsdp2, 2, uop, str(tmp_path))
+    for rank in range(2):
+        (want_losses, want_params), (got_losses, got_params) = expected[rank], actual[rank]
+        for step, (a, b) in enumerate(zip(got_losses, want_losses)):
+            assert_close(a, b, f"rank {rank} loss {step + 2}")
+        assert got_params.keys() == want_params.keys()
+        for name in want_params:
+            assert_close(got_params[name], want_params[name], f"rank {rank} {name}")
