@@ -281,3 +281,66 @@ def _cpu_offload(strategy: str, use_orig_params: bool) -> None:
 def test_cpu_offload_matches_ddp(strategy: str, use_orig_params: bool, world_size: int) -> None:
     """CPUOffload(offload_params=True) runs on a CPU-only machine (torch's FSDP1 fails there)."""
     run_on_ranks(_cpu_offload, world_size, strategy, use_orig_params)
+
+
+def _user_hooks_and_device_id() -> None:
+    """Forward hooks and forward-pre hooks of the user's own modules keep working inside units; device_id is
+    accepted as a torch.device."""
+    config = Config("net", "FULL_SHARD", "block")
+    reference, ours = build_ours(config)
+    torch.manual_seed(0)
+    explicit = FSDP(models.Net(), device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({models.Block}))
+    assert explicit.compute_device == torch.device("cpu")
+    seen = []
+    for model in (ours.module, reference):
+        model.block.fc1.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+        model.block.fc2.register_forward_hook(lambda m, args, out: out + 1)
+    ours.module.l2.register_forward_hook(lambda m, args, out: seen.append(tuple(m.weight.shape)))
+    ddp = DDP(reference)
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for step in range(2):
+        for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
+            loss_of(model(models.Net.batch(step + dist.get_rank()))).backward()
+            opt.step()
+            opt.zero_grad()
+    assert seen == [(2, 3), (2, 3)], "hooks see the unsharded parameters"
+    assert_same_params(ours, reference)
+
+
+def test_user_module_hooks_and_device_id() -> None:
+    run_on_ranks(_user_hooks_and_device_id, 2)
+
+
+def _batchnorm_under_mixed_precision() -> None:
+    def build(fsdp, wrap_module, **extra):
+        torch.manual_seed(0)
+        model = nn.Sequential(models.Block(), nn.BatchNorm1d(3), nn.Linear(3, 2))
+        mp = fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fsdp.FullyShardedDataParallel(
+                model, auto_wrap_policy=wrap_module.ModuleWrapPolicy({models.Block}), mixed_precision=mp, **extra
+            )
+
+    import fsdp_legacy
+    import fsdp_legacy.wrap
+    import torch.distributed.fsdp.wrap
+
+    ours = build(fsdp_legacy, fsdp_legacy.wrap)
+    theirs = build(torch_fsdp, torch.distributed.fsdp.wrap, device_id=torch.device("cpu"))
+    assert [type(u.module).__name__ for u in FSDP.fsdp_modules(ours)] == ["Sequential", "Block", "BatchNorm1d"]
+    our_opt, their_opt = optimizer(ours), optimizer(theirs)
+    for step in range(3):
+        x = torch.randn(6, 5, generator=torch.Generator().manual_seed(step + dist.get_rank()))
+        for model, opt in ((ours, our_opt), (theirs, their_opt)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loss_of(model(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs)):
+        assert_close(a._flat_param.detach(), b._flat_param.detach(), type(a.module).__name__)
+
+
+def test_batchnorm_runs_in_full_precision_under_mixed_precision_like_torch() -> None:
+    run_on_ranks(_batchnorm_under_mixed_precision, 2)
