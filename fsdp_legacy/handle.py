@@ -122,6 +122,7 @@ class FlatParamHandle:
         if self.mixed or offload_params:
             self.full_padded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
             _free(self.full_padded)
+            self._unsharded_buffers = {self.compute_dtype: self.full_padded}  # by dtype: see select_precision
         elif sharded:
             self.full_padded = full  # reused as the all-gather buffer
             _free(self.full_padded)
@@ -149,6 +150,18 @@ class FlatParamHandle:
     # ----------------------------------------------------------------------------------------------------------------
     # Unshard / reshard
 
+    def select_precision(self, full_precision: bool) -> None:
+        """FSDP_USE_FULL_PREC_IN_EVAL: a mixed-precision unit then gathers and computes in full precision. The
+        choice is made while resharded, so each unshard uses one buffer throughout."""
+        if not self.mixed or not self.needs_unshard:
+            return
+        dtype = self.local_shard.dtype if full_precision else self.compute_dtype
+        if dtype not in self._unsharded_buffers:
+            buffer = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.compute_device)
+            _free(buffer)
+            self._unsharded_buffers[dtype] = buffer
+        self.full_padded = self._unsharded_buffers[dtype]
+
     @property
     def needs_unshard(self) -> bool:
         return not self.is_unsharded and self.unshard_work is None
@@ -162,7 +175,7 @@ class FlatParamHandle:
             self.full_padded[: self.layout.numel].copy_(self.local_shard)
             self.unshard_work = comm.DONE
             return
-        shard = self.local_shard.to(device=self.compute_device, dtype=self.compute_dtype, non_blocking=True)
+        shard = self.local_shard.to(device=self.compute_device, dtype=self.full_padded.dtype, non_blocking=True)
         self.unshard_work = comm.all_gather(self.full_padded, shard, self.group)
 
     def wait_unshard(self) -> None:

@@ -10,6 +10,7 @@ communication overlaps compute, and at most MAX_PENDING_REDUCTIONS reduce-scatte
 gradients do not pile up.
 """
 
+import os
 from collections import deque
 from enum import Enum, auto
 from functools import partial
@@ -53,6 +54,7 @@ class Runtime:
         self.compute_device = root.compute_device
         self.limit_all_gathers = root.limit_all_gathers and self.compute_device.type == "cuda"
         self.reshard_events: deque = deque()
+        self.full_precision_eval = False
 
     # ----------------------------------------------------------------------------------------------------------------
     # Forward
@@ -62,7 +64,8 @@ class Runtime:
             args, kwargs = self._root_pre_forward(args, kwargs)
         unit.training_state = TrainingState.FORWARD_BACKWARD
         mp = unit.mixed_precision
-        if mp.param_dtype is not None and (mp.cast_forward_inputs or (unit is self.root and mp.cast_root_forward_inputs)):
+        cast = mp.cast_forward_inputs or (unit is self.root and mp.cast_root_forward_inputs)
+        if mp.param_dtype is not None and cast and not self.full_precision_eval:
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
@@ -85,6 +88,11 @@ class Runtime:
             for unit in self.units:
                 if unit._handle is not None:
                     unit._handle.sync_grad_from_orig_params()
+        # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
+        self.full_precision_eval = not self.root.training and os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
+        for unit in self.units:
+            if unit._handle is not None:
+                unit._handle.select_precision(self.full_precision_eval)
         if self.compute_device.type != "cpu":
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_device, non_blocking=True), (args, kwargs)

@@ -58,3 +58,31 @@ def _low_precision_only_while_unsharded(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_full_precision_master_low_precision_compute(strategy: str) -> None:
     run_on_ranks(_low_precision_only_while_unsharded, 2, strategy)
+
+
+def _full_precision_in_eval(use_orig_params: bool) -> None:
+    import os
+
+    reference, ours = build_ours(Config("transformer", "FULL_SHARD", "block", use_orig_params, mixed_precision=BF16))
+    x = models.Transformer.batch(dist.get_rank())
+    ours.eval()
+    reference.eval()
+    with torch.no_grad():
+        low = ours(x)
+        os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+        try:
+            full = ours(x)
+        finally:
+            del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+        expected = reference(x)
+    assert full.dtype == torch.float32 and torch.allclose(full, expected, atol=1e-5), "full precision in eval"
+    assert low.dtype == torch.bfloat16, "without the switch, eval computes in bf16"
+    ours.train()
+    out = ours(x)  # training is back to bf16 compute
+    loss_of(out).backward()
+    assert FSDP.fsdp_modules(ours)[1]._handle.full_padded.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_full_precision_in_eval_switch(use_orig_params: bool) -> None:
+    run_on_ranks(_full_precision_in_eval, 2, use_orig_params)
