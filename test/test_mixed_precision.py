@@ -86,3 +86,42 @@ def _full_precision_in_eval(use_orig_params: bool) -> None:
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_full_precision_in_eval_switch(use_orig_params: bool) -> None:
     run_on_ranks(_full_precision_in_eval, 2, use_orig_params)
+
+
+def _peak_unsharded_bytes(mixed: bool) -> tuple[int, int, int]:
+    """(peak bytes of unsharded parameter buffers alive at once during a step, root unit's bf16 bytes, largest
+    non-root unit's bf16 bytes), measured by watching every allocation of an unsharded buffer."""
+    import fsdp_legacy.handle as handle_module
+
+    config = Config("transformer", "FULL_SHARD", "block", False, mixed_precision=BF16 if mixed else None)
+    _, ours = build_ours(config)
+    handles = [unit._handle for unit in FSDP.fsdp_modules(ours)]
+    peak = 0
+    original = handle_module._alloc
+
+    def watching_alloc(tensor: torch.Tensor) -> None:
+        nonlocal peak
+        original(tensor)
+        live = sum(h.full_padded.untyped_storage().nbytes() for h in handles)
+        peak = max(peak, live)
+
+    handle_module._alloc = watching_alloc
+    try:
+        for step in range(2):
+            loss_of(ours(models.Transformer.batch(step))).backward()
+    finally:
+        handle_module._alloc = original
+    sizes = [h.layout.padded_numel * 2 for h in handles]  # bf16 bytes of each unit unsharded
+    return peak, sizes[0], max(sizes[1:])
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_only_low_precision_units_are_unsharded(mixed: bool) -> None:
+    """Peak unsharded parameter memory <= root + 2 blocks (the current one and one prefetched), counted in bf16: the
+    full-precision parameter exists only as the shard. The same bound fails without mixed precision (fp32)."""
+    peak, root, block = run_on_ranks(_peak_unsharded_bytes, 2, mixed)[0]
+    bound = root + 2 * block
+    if mixed:
+        assert peak <= bound, f"{peak} bytes unsharded at once > {bound}"
+    else:
+        assert peak > bound, "the bound must be able to fail: fp32 unsharded units exceed it"
