@@ -8,23 +8,9 @@ import torch.distributed.checkpoint.state_dict as torch_dsd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from fsdp_legacy import checkpoint as our_dsd
-from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of
+from fsdp_utils import Config, assert_close, build_ours, build_torch_fsdp
 from harness import run_on_ranks
-
-
-def _adam(model):
-    return torch.optim.Adam(model.parameters(), lr=0.01)
-
-
-def _steps(model, optim, config, steps):
-    losses = []
-    for step in steps:
-        loss = loss_of(model(batch(config, step)))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.detach())
-    return losses
+from test_optim_state import adam, train
 
 
 def _full_values(state: dict) -> dict:
@@ -42,9 +28,9 @@ def _same_as_torch(use_orig_params: bool, full: bool) -> None:
     config = Config("net", use_orig_params=use_orig_params)
     _, ours = build_ours(config)
     theirs = build_torch_fsdp(config)
-    our_opt, their_opt = _adam(ours), _adam(theirs)
-    _steps(ours, our_opt, config, range(2))
-    _steps(theirs, their_opt, config, range(2))
+    our_opt, their_opt = adam(ours), adam(theirs)
+    train(ours, our_opt, config, range(2))
+    train(theirs, their_opt, config, range(2))
     options = StateDictOptions(full_state_dict=full)
     our_model, our_optim = our_dsd.get_state_dict(ours, our_opt, options=options)
     their_model, their_optim = torch_dsd.get_state_dict(theirs, their_opt, options=options)
@@ -65,21 +51,21 @@ def test_same_keys_and_values_as_torch_helpers_on_torch_fsdp1(use_orig_params: b
 def _save(use_orig_params: bool, path: str):
     config = Config("net", use_orig_params=use_orig_params)
     _, ours = build_ours(config)
-    optim = _adam(ours)
-    _steps(ours, optim, config, range(2))
+    optim = adam(ours)
+    train(ours, optim, config, range(2))
     model_sd, optim_sd = our_dsd.get_state_dict(ours, optim)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    return _steps(ours, optim, config, range(2, 4))
+    return train(ours, optim, config, range(2, 4))
 
 
 def _load_into_fresh_ours(use_orig_params: bool, path: str):
     config = Config("net", use_orig_params=use_orig_params)
     _, ours = build_ours(config, seed=123)
-    optim = _adam(ours)
+    optim = adam(ours)
     model_sd, optim_sd = our_dsd.get_state_dict(ours, optim)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     our_dsd.set_state_dict(ours, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    return _steps(ours, optim, config, range(2, 4))
+    return train(ours, optim, config, range(2, 4))
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -96,7 +82,7 @@ def _unsupported() -> None:
     with pytest.raises(NotImplementedError, match="broadcast_from_rank0"):
         our_dsd.get_model_state_dict(ours, options=StateDictOptions(broadcast_from_rank0=True))
     with pytest.raises(NotImplementedError, match="one optimizer"):
-        our_dsd.get_optimizer_state_dict(ours, [_adam(ours), _adam(ours)])
+        our_dsd.get_optimizer_state_dict(ours, [adam(ours), adam(ours)])
 
 
 def test_unsupported_options_are_refused() -> None:
