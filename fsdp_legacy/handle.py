@@ -4,8 +4,14 @@ States of the flat parameter's `.data`:
   sharded   -> the local shard (`local_shard`), what the optimizer steps on;
   unsharded -> `full_padded`, the all-gathered flat tensor whose storage is freed (resized to 0) while sharded, so
                that tensors autograd saved as views of it stay valid across a free and a later re-gather.
-Invariant: while sharded, `flat_param.grad` is the sharded gradient; while unsharded it is set aside in
-`saved_grad` (autograd accumulates the unsharded gradient into `.grad`), and put back on reshard.
+Where the sharded gradient lives:
+  use_orig_params=False -> `flat_param.grad` while sharded; while unsharded it is set aside in `saved_grad` (autograd
+               accumulates the unsharded gradient into `.grad`) and put back on reshard.
+  use_orig_params=True  -> only on the original parameters, as views of one compact buffer that holds just this
+               rank's pieces of trainable parameters: frozen parameters and alignment padding cost no gradient memory
+               (torch FSDP1 keeps a shard-sized flat gradient). `flat_param.grad` then stays None while sharded.
+               NO_SHARD in full precision on the compute device, where autograd writes the flat gradient in place,
+               keeps the first scheme with the original gradients as views of it.
 """
 
 from dataclasses import dataclass
@@ -134,6 +140,9 @@ class FlatParamHandle:
         self.orig_params: dict[ParamInfo, nn.Parameter] = originals if use_orig_params else {}
         self._local_pieces = {piece.info: piece for piece in layout.shard_pieces(self.rank)} if sharded else {}
         self._orig_grad_views: dict[ParamInfo, Optional[torch.Tensor]] = {}
+        self.grads_on_orig_params = use_orig_params and self.uses_buffer
+        self._compact_grad: Optional[torch.Tensor] = None  # the buffer behind `_compact_views`, when ours
+        self._compact_views: dict[ParamInfo, torch.Tensor] = {}  # the sharded gradient of each original parameter
         for info, param in originals.items():
             FLATTENED[param] = f"'{info.fqn}' of the FSDP unit wrapping {type(module).__name__}"
         if use_orig_params:
@@ -268,6 +277,9 @@ class FlatParamHandle:
         """use_orig_params=True: adopt what the user did to the original gradients (zero_grad(set_to_none), edits)."""
         if not self.use_orig_params or (self.uses_buffer and self.is_unsharded) or self.unsynced_grad is not None:
             return
+        if self.grads_on_orig_params:
+            self._adopt_orig_grads()
+            return
         flat_grad = self.flat_param.grad
         grads = {info: p.grad for info, p in self.orig_params.items() if info in self._orig_grad_views}
         if flat_grad is not None and all(grads[i] is v for i, v in self._orig_grad_views.items()):
@@ -284,6 +296,10 @@ class FlatParamHandle:
         self._use_orig_grad_views()
 
     def _use_orig_grad_views(self) -> None:
+        if self.grads_on_orig_params:
+            for info, param in self.orig_params.items():
+                _assign_grad(param, self._compact_views.get(info) if param.requires_grad else None)
+            return
         flat_grad = self.flat_param.grad
         self._orig_grad_views = {}
         for info, param in self.orig_params.items():
@@ -294,6 +310,63 @@ class FlatParamHandle:
             _assign_grad(param, view)
             if view is not None:
                 self._orig_grad_views[info] = view
+
+    def _adopt_orig_grads(self) -> None:
+        """Take the original parameters' gradients as the sharded gradient to accumulate into: unchanged when they
+        are still our views, dropped after zero_grad(set_to_none=True), copied in on the next reduction otherwise."""
+        current = {info: p.grad for info, p in self.orig_params.items() if p.grad is not None}
+        if current.keys() == self._compact_views.keys() and all(current[i] is v for i, v in self._compact_views.items()):
+            return
+        self._compact_grad = None  # the next reduction builds a fresh buffer from these values
+        self._compact_views = current
+
+    def _trainable_slots(self) -> list[tuple[ParamInfo, int, int]]:
+        """(parameter, first element in the local flat shard, numel) of each trainable original parameter that has
+        elements on this rank."""
+        slots = []
+        for info, param in self.orig_params.items():
+            if not param.requires_grad:
+                continue
+            if not self.sharded:
+                slots.append((info, info.offset, info.numel))
+            elif info in self._local_pieces:
+                piece = self._local_pieces[info]
+                slots.append((info, piece.offset_in_shard, piece.numel_in_shard))
+        return slots
+
+    def _accumulate_compact(self, shard_grad: torch.Tensor) -> None:
+        """Add a reduced gradient in the flat shard's layout into the original parameters' compact gradient."""
+        slots = self._trainable_slots()
+        if self._compact_grad is None or self._compact_views.keys() != {info for info, _, _ in slots}:
+            self._rebuild_compact(slots, shard_grad.dtype, shard_grad.device)
+        for info, start, numel in slots:
+            self._compact_views[info].view(-1).add_(shard_grad[start : start + numel])
+
+    def _rebuild_compact(self, slots: list[tuple[ParamInfo, int, int]], dtype: torch.dtype, device: torch.device):
+        """A fresh compact buffer for `slots`, starting from the current per-parameter values (zero where none)."""
+        buffer = torch.zeros(sum(numel for _, _, numel in slots), dtype=dtype, device=device)
+        views, offset = {}, 0
+        for info, _, numel in slots:
+            view = buffer[offset : offset + numel]
+            views[info] = view if self.sharded else view.view(info.shape)
+            previous = self._compact_views.get(info)
+            if previous is not None:
+                view.copy_(previous.reshape(-1))
+            offset += numel
+        self._compact_grad, self._compact_views = buffer, views
+
+    def sharded_grad(self) -> Optional[torch.Tensor]:
+        """This rank's sharded gradient in the flat shard's layout (assembled, zero-filled, when it lives on the
+        original parameters); None if there is none."""
+        if not self.grads_on_orig_params:
+            return self.saved_grad if self.is_unsharded and self.uses_buffer else self.flat_param.grad
+        if not self._compact_views:
+            return None
+        flat = torch.zeros_like(self.local_shard, dtype=next(iter(self._compact_views.values())).dtype)
+        for info, _, _ in self._trainable_slots():
+            if info in self._compact_views:
+                self._local_view(flat, info).view(-1).copy_(self._compact_views[info].reshape(-1))
+        return flat
 
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
         """This backward's gradient, taken off the flat parameter (when it has a separate unsharded buffer) so it
@@ -372,7 +445,11 @@ class FlatParamHandle:
         if self.uses_buffer:  # reduced in the reduce dtype; the gradient lives with the shard, in the grad dtype
             # (A blocking copy when offloading: the optimizer reads it on the CPU right after backward.)
             output = pending.output[: self.local_shard.numel()]
-            self.new_grad = output.to(device=self.local_shard.device, dtype=self.grad_dtype)
+            output = output.to(device=self.local_shard.device, dtype=self.grad_dtype)
+            if self.grads_on_orig_params:  # folded in at once, so no shard-sized gradient outlives its reduction
+                self._accumulate_compact(output)
+            else:
+                self.new_grad = output
         elif pending.output is not self.flat_param.grad:  # NO_SHARD reduced in another dtype: back into .grad
             self.flat_param.grad.copy_(pending.output)
 

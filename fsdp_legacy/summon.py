@@ -63,7 +63,7 @@ def _summon_unit(
         # Gathered in full precision into a buffer of its own (not the forward's, which may be low precision); under
         # NO_SHARD the local flat parameter is already whole, so edits to it persist, as torch documents.
         full = _gather(handle, handle.local_shard)
-        grad = handle.saved_grad if handle.is_unsharded and handle.uses_buffer else handle.flat_param.grad
+        grad = handle.sharded_grad()
         full_grad = _gather(handle, grad) if with_grads and grad is not None else None
         if rank0_only and handle.rank != 0 and handle.sharded:
             yield  # this rank keeps its shard; it took part in the collective for rank 0
