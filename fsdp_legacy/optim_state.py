@@ -12,6 +12,7 @@ original parameter by its clean FQN:
   position, so a checkpoint loads across use_orig_params settings, wrap policies and world sizes.
 """
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional
@@ -28,7 +29,7 @@ from .api import (
     ShardedOptimStateDictConfig,
     StateDictType,
 )
-from .flat_param import ParamInfo
+from .flat_param import FlatParameter, ParamInfo
 from .handle import FlatParamHandle
 from .state_dict import (
     _chunk_dtensor,
@@ -463,10 +464,63 @@ def rekey_optim_state_dict(
     optim_state_dict: dict[str, Any], optim_state_key_type: Any, model: nn.Module, optim_input: Any = None,
     optim: Optional[torch.optim.Optimizer] = None,
 ) -> dict[str, Any]:
-    raise NotImplementedError(
-        "FSDP.rekey_optim_state_dict is not supported: FSDP.optim_state_dict returns FQN-keyed dicts and "
-        "FSDP.optim_state_dict_to_load turns them into the optimizer's id-keyed dicts, matching parameters by name."
-    )
+    """Re-key an optimizer state dict between parameter ids (`optim.state_dict()`) and clean FQNs (FULL
+    `optim_state_dict`) for `model`, whose parameters are those of the optimizer (in `optim`'s order, else
+    `optim_input`'s, else `model.parameters()`'): a plain model, or an FSDP model with use_orig_params=True."""
+    _check_optim_input(optim_input)
+    key_type = getattr(optim_state_key_type, "name", None)
+    if key_type not in ("PARAM_NAME", "PARAM_ID"):
+        raise ValueError(f"optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, not {optim_state_key_type!r}")
+    want = str if key_type == "PARAM_NAME" else int
+    key_types = {type(key) for key in optim_state_dict["state"]}
+    if len(key_types) > 1 or not key_types <= {str, int}:
+        raise ValueError(f"Invalid parameter keys {list(optim_state_dict['state'])}: expected all ints or all FQNs")
+    if key_types == {want}:
+        return optim_state_dict
+    names = _clean_names(model)
+    ids = _param_ids(model, optim, optim_input)
+    if want is str:
+        rename = {pid: names[param] for pid, param in ids.items()}
+    else:
+        by_name = {name: param for param, name in names.items()}
+        position = {param: pid for pid, param in ids.items()}
+        rename = {name: position[param] for name, param in by_name.items() if param in position}
+
+    def new_key(key: Any) -> Any:
+        if key not in rename:
+            raise KeyError(f"Parameter {key!r} of the optimizer state dict is not a parameter of the optimizer of this "
+                           "model: pass the model (and optim) the state dict was saved from.")
+        return rename[key]
+
+    result = {"state": {new_key(key): state for key, state in optim_state_dict["state"].items()}}
+    result["param_groups"] = copy.deepcopy(optim_state_dict["param_groups"])
+    for param_group in result["param_groups"]:
+        param_group["params"] = sorted(new_key(key) for key in param_group["params"])
+    return result
+
+
+def _clean_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter of `model` -> its first clean FQN (no FSDP wrapper prefixes)."""
+    names: dict[nn.Parameter, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if isinstance(param, FlatParameter):
+            raise ValueError(
+                "rekey_optim_state_dict needs original parameters, but the model holds flat parameters "
+                "(use_orig_params=False): pass the unwrapped model, or use FSDP.optim_state_dict / "
+                "FSDP.optim_state_dict_to_load, which re-key FSDP models themselves."
+            )
+        names.setdefault(param, _clean(name))
+    return names
+
+
+def _param_ids(model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any) -> dict[int, nn.Parameter]:
+    """Parameter id -> parameter, numbered as torch.optim numbers them: in order across param groups."""
+    if optim is not None:
+        groups = optim.param_groups
+    else:
+        items = list(model.parameters() if optim_input is None else optim_input)
+        groups = items if items and all(isinstance(item, dict) for item in items) else [{"params": items}]
+    return dict(enumerate(param for group in groups for param in group["params"]))
 
 
 def _check_optim_input(optim_input: Any) -> None:

@@ -388,8 +388,9 @@ def _deprecated_api(uop: bool) -> None:
             result = FSDP.optim_state_dict_to_load(ours, ours_opt, full if rank == 0 else {})
     assert_same_osd(result, local, "optim_state_dict_to_load rank0_only", ordered_names=False)
 
-    with pytest.raises(NotImplementedError, match="optim_state_dict_to_load"):
-        FSDP.rekey_optim_state_dict(full, fsdp_legacy.OptimStateKeyType.PARAM_ID, ours)
+    if not uop:
+        with pytest.raises(ValueError, match="use_orig_params=False"):
+            FSDP.rekey_optim_state_dict(full, fsdp_legacy.OptimStateKeyType.PARAM_ID, ours)
     with pytest.raises(NotImplementedError, match="optim="):
         quiet(FSDP.shard_full_optim_state_dict, full, ours)
     with pytest.raises(NotImplementedError, match="is_named_optimizer"):
@@ -512,6 +513,43 @@ def test_full_checkpoint_across_world_sizes(save_uop: bool, load_uop: bool) -> N
     saved_model, saved_optim, _ = run_on_ranks(_save_full, 2, save_uop)[0]
     run_on_ranks(_load_full, 4, load_uop, saved_model, saved_optim, timeout=300)
     run_on_ranks(_load_full, 1, load_uop, saved_model, saved_optim)
+
+
+def _rekey_like_torch() -> None:
+    """rekey_optim_state_dict against torch's: a FULL checkpoint to a plain model's ids and back, and a wrapped
+    (use_orig_params=True) model's own id-keyed state to names."""
+    config = Config("transformer", "FULL_SHARD", "block", True)
+    reference, ours = build_ours(config)
+    theirs = build_torch_fsdp(config)
+    ours_opt, theirs_opt = adam(ours), adam(theirs)
+    train(ours, ours_opt, config, range(2))
+    train(theirs, theirs_opt, config, range(2))
+    full = osd(ours, ours_opt, fsdp_legacy, FULL)
+    by_name, by_id = fsdp_legacy.OptimStateKeyType.PARAM_NAME, fsdp_legacy.OptimStateKeyType.PARAM_ID
+    torch_by_name, torch_by_id = torch_fsdp.OptimStateKeyType.PARAM_NAME, torch_fsdp.OptimStateKeyType.PARAM_ID
+    rekey, torch_rekey = FSDP.rekey_optim_state_dict, torch_fsdp.FullyShardedDataParallel.rekey_optim_state_dict
+
+    ids = rekey(full, by_id, reference)
+    assert_same_osd(ids, torch_rekey(full, torch_by_id, reference), "names -> plain ids")
+    plain_opt = adam(reference)
+    plain_opt.load_state_dict(ids)  # what the re-keying is for
+    names = rekey(plain_opt.state_dict(), by_name, reference)
+    assert_same_osd(names, torch_rekey(plain_opt.state_dict(), torch_by_name, reference), "plain ids -> names")
+    # Round trip: the same states; torch's re-keying sorts each group's parameter names.
+    sorted_full = {**full, "param_groups": [{**g, "params": sorted(g["params"])} for g in full["param_groups"]]}
+    assert_same_osd(names, sorted_full, "round trip", ordered_names=False)
+    assert rekey(full, by_name, reference) is full  # already keyed so: returned as is, as torch does
+
+    # A wrapped model with its own (sharded, 1-D) optimizer state: ids -> names, with the optimizer's numbering.
+    ours_names = rekey(ours_opt.state_dict(), by_name, ours, optim=ours_opt)
+    theirs_names = quiet(torch_rekey, theirs_opt.state_dict(), torch_by_name, theirs, optim=theirs_opt)
+    assert_same_osd(ours_names, theirs_names, "wrapped ids -> names", ordered_names=False, values=False)
+    with pytest.raises(KeyError, match="'nope' of the optimizer state dict is not a parameter"):
+        rekey({"state": {"nope": {}}, "param_groups": []}, by_id, reference)
+
+
+def test_rekey_optim_state_dict_like_torch() -> None:
+    run_on_ranks(_rekey_like_torch, 2)
 
 
 def test_signatures_match_torch() -> None:
