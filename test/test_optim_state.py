@@ -271,36 +271,61 @@ def test_round_trip_tied_transformer() -> None:
     run_on_ranks(_round_trip, 2, FULL, False, True, "transformer")
 
 
-def _exchange_with_torch(uop: bool) -> None:
-    """FULL checkpoints load both ways between ours and torch's FSDP1, and training continues identically."""
+def _exchange_with_torch(uop: bool, kind: str, path: str) -> None:
+    """Checkpoints load both ways between ours and torch's FSDP1, and training continues identically: FULL dicts in
+    memory, SHARDED ones through DCP files (each implementation's own SHARDED save, loaded by the other)."""
     config = Config("net", use_orig_params=uop)
     ours, ours_opt, theirs, theirs_opt = trained_pair(config)
-    theirs_config = torch_fsdp.FullOptimStateDictConfig(offload_to_cpu=False)
-    from_ours = (model_sd(ours, fsdp_legacy, FULL), osd(ours, ours_opt, fsdp_legacy, FULL))
-    from_theirs = (model_sd(theirs, torch_fsdp, FULL), osd(theirs, theirs_opt, torch_fsdp, FULL, theirs_config))
+    theirs_config = torch_fsdp.FullOptimStateDictConfig(offload_to_cpu=False) if kind == FULL else None
+    from_ours = (model_sd(ours, fsdp_legacy, kind), osd(ours, ours_opt, fsdp_legacy, kind))
+    from_theirs = (model_sd(theirs, torch_fsdp, kind), osd(theirs, theirs_opt, torch_fsdp, kind, theirs_config))
 
     # Each into a fresh instance of the other implementation (different initialisation).
     _, ours2 = build_ours(config, seed=1)
     theirs2 = build_torch_fsdp(config, seed=1)
     ours2_opt, theirs2_opt = adam(ours2), adam(theirs2)
-    load_model(ours2, fsdp_legacy, FULL, from_theirs[0])
-    to_load(ours2, ours2_opt, fsdp_legacy, FULL, from_theirs[1], load_directly=True)
-    load_model(theirs2, torch_fsdp, FULL, from_ours[0])
-    theirs2_opt.load_state_dict(to_load(theirs2, theirs2_opt, torch_fsdp, FULL, from_ours[1]))
+    if kind == SHARDED:  # real checkpoints: each implementation's DCP files, read by the other
+        _save_dcp(from_ours, f"{path}/ours")
+        _save_dcp(from_theirs, f"{path}/theirs")
+        from_theirs = _load_dcp(ours2, ours2_opt, fsdp_legacy, f"{path}/theirs", config)
+        from_ours = _load_dcp(theirs2, theirs2_opt, torch_fsdp, f"{path}/ours", config)
+    load_model(ours2, fsdp_legacy, kind, from_theirs[0])
+    to_load(ours2, ours2_opt, fsdp_legacy, kind, from_theirs[1], load_directly=True)
+    load_model(theirs2, torch_fsdp, kind, from_ours[0])
+    theirs2_opt.load_state_dict(to_load(theirs2, theirs2_opt, torch_fsdp, kind, from_ours[1]))
 
     runs = [train(m, o, config, range(2, 4)) for m, o in
             [(ours, ours_opt), (theirs, theirs_opt), (ours2, ours2_opt), (theirs2, theirs2_opt)]]
     for losses in runs[1:]:
         for a, b in zip(losses, runs[0]):
             assert_close(a, b, "loss after exchanging checkpoints")
-    expected = osd(theirs, theirs_opt, torch_fsdp, FULL, theirs_config)
+    full_config = torch_fsdp.FullOptimStateDictConfig(offload_to_cpu=False)
+    expected = osd(theirs, theirs_opt, torch_fsdp, FULL, full_config)
     assert_same_osd(osd(ours2, ours2_opt, fsdp_legacy, FULL), expected, "ours loaded from torch")
-    assert_same_osd(osd(theirs2, theirs2_opt, torch_fsdp, FULL, theirs_config), expected, "torch loaded from ours")
+    assert_same_osd(osd(theirs2, theirs2_opt, torch_fsdp, FULL, full_config), expected, "torch loaded from ours")
 
 
+def _save_dcp(saved: tuple[dict, dict], path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": saved[0], "optim": saved[1]}, checkpoint_id=path)
+
+
+def _load_dcp(model: nn.Module, optim: torch.optim.Optimizer, lib: Any, path: str, config: Config) -> tuple[dict, dict]:
+    """(model, optimizer) SHARDED dicts read from DCP files into templates made by `model` of implementation `lib`;
+    its optimizer takes a step first so that its state exists (DCP loads in place; the values are overwritten)."""
+    import torch.distributed.checkpoint as dcp
+
+    train(model, optim, config, range(1))
+    template = {"model": model_sd(model, lib, SHARDED), "optim": osd(model, optim, lib, SHARDED)}
+    dcp.load(template, checkpoint_id=path)
+    return template["model"], template["optim"]
+
+
+@pytest.mark.parametrize("kind", [FULL, SHARDED])
 @pytest.mark.parametrize("uop", [False, True], ids=["flat", "uop"])
-def test_exchange_with_torch(uop: bool) -> None:
-    run_on_ranks(_exchange_with_torch, 2, uop)
+def test_exchange_with_torch(tmp_path, uop: bool, kind: str) -> None:
+    run_on_ranks(_exchange_with_torch, 2, uop, kind, str(tmp_path))
 
 
 def _cross_uop_with_torch() -> None:
