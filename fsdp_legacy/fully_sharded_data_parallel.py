@@ -6,9 +6,11 @@ FlatParameter and shard it. Runtime behaviour lives in runtime.py, the flat para
 """
 
 import contextlib
+import functools
 import os
 import traceback
 import warnings
+import weakref
 from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
@@ -157,7 +159,10 @@ class FullyShardedDataParallel(nn.Module):
                 keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
             )
             if self._handle.flat_param.requires_grad:
-                self._handle.flat_param.register_post_accumulate_grad_hook(self._post_backward_hook)
+                # Through a weak reference: torch's garbage collector does not see into post-accumulate-grad hooks,
+                # so a hook holding the unit would keep the whole model alive after `del model`.
+                hook = functools.partial(_post_backward_hook, weakref.ref(self))
+                self._handle.flat_param.register_post_accumulate_grad_hook(hook)
         self._fsdp_wrapped_module = module
         if self._handle is not None and not use_orig_params:
             module.register_parameter(FLAT_PARAM, self._handle.flat_param)
@@ -224,9 +229,6 @@ class FullyShardedDataParallel(nn.Module):
                 if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
                     self._buffer_dtypes[f"{path}.{name}" if path else name] = buffer.dtype
                     sub._buffers[name] = buffer.to(dtype)
-
-    def _post_backward_hook(self, flat_param: torch.Tensor) -> None:
-        self._runtime.post_backward(self)
 
     @property
     def module(self) -> nn.Module:
@@ -372,6 +374,12 @@ class FullyShardedDataParallel(nn.Module):
         clean = self.training_state == TrainingState.SUMMON_FULL_PARAMS
         for name, buffer in super().named_buffers(*args, **kwargs):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), buffer
+
+
+def _post_backward_hook(unit_ref: "weakref.ref[FullyShardedDataParallel]", flat_param: torch.Tensor) -> None:
+    unit = unit_ref()
+    if unit is not None:
+        unit._runtime.post_backward(unit)
 
 
 # --------------------------------------------------------------------------------------------------------------------
