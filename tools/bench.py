@@ -19,7 +19,7 @@ reduce_dtype=float32)``. DDP has no equivalent and is not run on those models.
 Peak memory is measured in a separate, untimed pass per implementation (built alone, one
 warm-up step, then one measured step) so the measurement costs nothing in the timings:
 on CUDA with ``torch.cuda.max_memory_allocated``; on CPU with a ``TorchDispatchMode`` that
-tracks the bytes of every live tensor storage (see ``LiveBytes``). Both count parameters,
+tracks the bytes of every live tensor storage (``fsdp_legacy.memory.MemoryTracker``). Both count parameters,
 gradients, optimizer state, activations and communication buffers of that implementation.
 """
 
@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 import traceback
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -47,14 +46,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass,
-)
-from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import fsdp_legacy from the checkout
 from gpt import GPT, Block, DeepMLP, GPTConfig, MLPBlock
+
+from fsdp_legacy.memory import MemoryTracker
 
 IMPLS = ["ours", "torch_fsdp1", "fsdp2", "ddp"]
 MODELS = ["gpt", "gpt-bf16", "mlp"]
@@ -170,75 +166,6 @@ class Runner:
 # --------------------------------------------------------------------------------------
 
 
-class LiveBytes(TorchDispatchMode):
-    """Tracks the bytes of live tensor storages seen while active, and their peak.
-
-    Every storage an op touches is registered once, with a weakref callback that subtracts
-    it when it dies. ``UntypedStorage.resize_`` (how FSDP frees and re-allocates unsharded
-    parameters) bypasses the dispatcher, so it is patched while the mode is active.
-    A CPU stand-in for ``torch.cuda.max_memory_allocated``: it misses kernel-internal
-    scratch memory and allocator overhead, which no implementation here controls.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.nbytes: dict[int, int] = {}  # id(storage) -> bytes currently counted
-        self.refs: dict[int, weakref.ref] = {}  # keeps the weakref callbacks alive
-        self.live = self.peak = 0
-        self._orig_resize = torch.UntypedStorage.resize_
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def _account(self, st: torch.UntypedStorage) -> None:
-        key = id(st)
-        ref = self.refs.get(key)
-        if ref is None or ref() is not st:
-            self.refs[key] = weakref.ref(st, partial(self._freed, key))
-            self.nbytes[key] = 0
-        new = st.nbytes()
-        self.live += new - self.nbytes[key]
-        self.nbytes[key] = new
-        self.peak = max(self.peak, self.live)
-
-    def _freed(self, key: int, ref: weakref.ref) -> None:
-        if self.refs.get(key) is ref:
-            self.live -= self.nbytes.pop(key)
-            del self.refs[key]
-
-    def _storages(self, t: torch.Tensor) -> list[torch.UntypedStorage]:
-        if is_traceable_wrapper_subclass(t):  # e.g. DTensor (FSDP2): count its local tensors
-            attrs, _ = t.__tensor_flatten__()
-            inner = [getattr(t, a) for a in attrs]
-            return [s for x in inner if isinstance(x, torch.Tensor) for s in self._storages(x)]
-        if t.device.type == "meta":
-            return []
-        return [t.untyped_storage()]
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves((out, args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                for st in self._storages(t):
-                    self._account(st)
-        return out
-
-    def __enter__(self) -> LiveBytes:
-        mode = self
-
-        def resize_(st: torch.UntypedStorage, size: int) -> Any:
-            result = mode._orig_resize(st, size)
-            mode._account(st)
-            return result
-
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
-        super().__exit__(*exc)
-
-
 def measure_peak_mib(impl: str, wl: Workload, device: torch.device) -> float:
     """Peak bytes (MiB) of one step of ``impl`` built alone: persistent state + transients."""
     gc.collect()
@@ -251,12 +178,12 @@ def measure_peak_mib(impl: str, wl: Workload, device: torch.device) -> float:
         runner.step()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        with LiveBytes() as tracker:
+        with MemoryTracker() as tracker:
             runner = Runner(impl, wl, device)
             runner.step()
             tracker.reset_peak()
             runner.step()
-        peak = tracker.peak
+        peak = tracker.peak()
     del runner
     gc.collect()
     return peak / 2**20
