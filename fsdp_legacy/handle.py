@@ -5,8 +5,9 @@ States of the flat parameter's `.data`:
   unsharded -> `full_padded`, the all-gathered flat tensor whose storage is freed (resized to 0) while sharded, so
                that tensors autograd saved as views of it stay valid across a free and a later re-gather.
 Where the sharded gradient lives:
-  use_orig_params=False -> `flat_param.grad` while sharded; while unsharded it is set aside in `saved_grad` (autograd
-               accumulates the unsharded gradient into `.grad`) and put back on reshard.
+  use_orig_params=False -> `flat_param.grad`. When backward reaches the unit it is set aside in `saved_grad` (autograd
+               accumulates the unsharded gradient into `.grad`) and put back at the end of backward. Only then, as
+               torch FSDP1 does, so that a zero_grad() between forward and backward still counts.
   use_orig_params=True  -> only on the original parameters, as views of one compact buffer that holds just this
                rank's pieces of trainable parameters: frozen parameters and alignment padding cost no gradient memory
                (torch FSDP1 keeps a shard-sized flat gradient). `flat_param.grad` then stays None while sharded.
@@ -85,6 +86,7 @@ class FlatParamHandle:
         self.new_grad: Optional[torch.Tensor] = None  # this backward's reduced sharded gradient
         self.unsynced_grad: Optional[torch.Tensor] = None  # unsharded gradients accumulated under no_sync()
         self.needs_pre_backward = False  # set in forward, cleared by the first pre-backward hook
+        self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
 
         params = [p for p in managed]
@@ -193,14 +195,11 @@ class FlatParamHandle:
         self.unshard()
         self.unshard_work.wait()
         self.unshard_work = None
-        grad, self.flat_param.grad = self.flat_param.grad, None
-        if grad is not None and not self._is_unsynced(grad):
-            self.saved_grad = grad
-        self.flat_param.data = self.full_padded
+        self.flat_param.data = self.full_padded  # `.grad` may keep the sharded gradient's shape: see above
         self.is_unsharded = True
 
     def reshard(self) -> None:
-        """Back to the local shard: free the unsharded storage and put the sharded gradient back."""
+        """Back to the local shard and free the unsharded storage."""
         self.drop_unsharded_views()
         if not self.uses_buffer:
             return
@@ -209,8 +208,6 @@ class FlatParamHandle:
             self.unshard_work = None
         if self.is_unsharded:
             self.flat_param.data = self.local_shard
-            if self.unsynced_grad is None:  # under no_sync the sharded gradient waits for the next reduction
-                self.flat_param.grad, self.saved_grad = self.saved_grad, None
             self.is_unsharded = False
         _free(self.full_padded)
 
@@ -275,7 +272,7 @@ class FlatParamHandle:
 
     def sync_grad_from_orig_params(self) -> None:
         """use_orig_params=True: adopt what the user did to the original gradients (zero_grad(set_to_none), edits)."""
-        if not self.use_orig_params or (self.uses_buffer and self.is_unsharded) or self.unsynced_grad is not None:
+        if not self.use_orig_params or self.unsynced_grad is not None:
             return
         if self.grads_on_orig_params:
             self._adopt_orig_grads()
@@ -359,7 +356,8 @@ class FlatParamHandle:
         """This rank's sharded gradient in the flat shard's layout (assembled, zero-filled, when it lives on the
         original parameters); None if there is none."""
         if not self.grads_on_orig_params:
-            return self.saved_grad if self.is_unsharded and self.uses_buffer else self.flat_param.grad
+            return self.saved_grad if self.unsynced_grad is not None else self.flat_param.grad
+        self.sync_grad_from_orig_params()
         if not self._compact_views:
             return None
         flat = torch.zeros_like(self.local_shard, dtype=next(iter(self._compact_views.values())).dtype)
@@ -367,6 +365,18 @@ class FlatParamHandle:
             if info in self._compact_views:
                 self._local_view(flat, info).view(-1).copy_(self._compact_views[info].reshape(-1))
         return flat
+
+    def prepare_gradient_for_backward(self) -> None:
+        """Backward has reached the unit, and autograd is about to accumulate into the flat parameter: adopt the
+        user's gradients as they are now, and set the sharded flat gradient aside (use_orig_params=False)."""
+        if self.backward_prepared:
+            return
+        self.backward_prepared = True
+        self.sync_grad_from_orig_params()
+        if self.uses_buffer and not self.grads_on_orig_params:
+            grad, self.flat_param.grad = self.flat_param.grad, None
+            if self.unsynced_grad is None:  # under no_sync, `.grad` only shows the unsynced gradient
+                self.saved_grad = grad
 
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
         """This backward's gradient, taken off the flat parameter (when it has a separate unsharded buffer) so it
@@ -391,9 +401,6 @@ class FlatParamHandle:
         if unsynced is None:
             return grad
         return unsynced if grad is None else grad.add_(unsynced)
-
-    def _is_unsynced(self, grad: torch.Tensor) -> bool:
-        return self.unsynced_grad is not None and grad.untyped_storage().data_ptr() == self.unsynced_grad.untyped_storage().data_ptr()
 
     def _expose_unsynced_grads(self) -> None:
         """As torch FSDP1 shows them under no_sync(): the flat gradient unsharded and unpadded (use_orig_params=False),
@@ -456,6 +463,11 @@ class FlatParamHandle:
     def finish_backward(self) -> None:
         """End of backward: back to the shard, with this backward's gradient added to the sharded gradient."""
         self.reshard()
+        if not self.backward_prepared:  # backward never reached the unit: a zero_grad() after forward still counts
+            self.sync_grad_from_orig_params()
+        if self.saved_grad is not None and self.unsynced_grad is None:
+            _assign_grad(self.flat_param, self.saved_grad)
+            self.saved_grad = None
         if self.new_grad is not None:
             if self.flat_param.grad is None:
                 _assign_grad(self.flat_param, self.new_grad)
@@ -469,6 +481,7 @@ class FlatParamHandle:
         self.training_state = HandleTrainingState.IDLE
         self.needs_pre_backward = False
         self.post_backward_done = False
+        self.backward_prepared = False
 
 
 def _uniform(params: list[nn.Parameter], key, what: str):

@@ -85,9 +85,6 @@ class Runtime:
         if self.iteration_done:
             self.previous_forward_order, self.forward_order = self.forward_order, []
             self.iteration_done = False
-            for unit in self.units:
-                if unit._handle is not None:
-                    unit._handle.sync_grad_from_orig_params()
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
         self.full_precision_eval = not self.root.training and os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
         for unit in self.units:
@@ -133,6 +130,7 @@ class Runtime:
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_for_backward(handle)
         handle.wait_unshard()
+        handle.prepare_gradient_for_backward()
         # Activation checkpointing re-runs the unit's forward during backward: the attributes must hold the data.
         handle.use_unsharded_views()
 

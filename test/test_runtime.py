@@ -195,3 +195,70 @@ def _accumulation(strategy: str, use_orig_params: bool) -> None:
 @parameterized.expand([(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for u in (False, True)])
 def test_gradient_accumulation_without_zero_grad(strategy: str, use_orig_params: bool) -> None:
     run_on_ranks(_accumulation, 2, strategy, use_orig_params)
+
+
+def _zero_grad_between_forward_and_backward(strategy: str, use_orig_params: bool) -> None:
+    """What the optimizer sees follows the user's zero_grad also between forward and backward, and gradients from
+    before a no_sync() run are kept, as with DDP."""
+    config = Config("net", strategy, "block", use_orig_params)
+    reference, ours = build_ours(config)
+    ddp = DDP(reference)
+    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
+    for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
+        data = [models.Net.batch(10 * i + dist.get_rank()) for i in range(6)]
+        loss_of(model(data[0])).backward()
+        opt.step()  # gradients left in place
+        output = model(data[1])
+        opt.zero_grad(set_to_none=True)
+        loss_of(output).backward()
+        opt.step()
+        output = model(data[2])
+        opt.zero_grad(set_to_none=False)
+        loss_of(output).backward()
+        opt.step()
+        loss_of(model(data[3])).backward()
+        with model.no_sync():
+            loss_of(model(data[4])).backward()
+        loss_of(model(data[5])).backward()
+        opt.step()
+    assert_same_params(ours, reference)
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head, self.aux = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.head(h).pow(2).sum(), self.aux(h).pow(2).sum()
+
+
+def _zero_grad_of_a_unit_backward_skips(strategy: str, use_orig_params: bool) -> None:
+    """A unit whose forward ran but which backward never reaches keeps the gradient zero_grad left it (none)."""
+    import copy
+
+    from fsdp_legacy import ShardingStrategy
+    from fsdp_legacy.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    reference = TwoHeads()
+    ours = FSDP(copy.deepcopy(reference), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+                sharding_strategy=ShardingStrategy[strategy], use_orig_params=use_orig_params)
+    ddp = DDP(reference, find_unused_parameters=True)
+    for model in (ours, ddp):
+        opt = optimizer(model)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+        sum(model(x)).backward()
+        opt.step()  # gradients left in place, the aux head's too
+        main, _ = model(x)
+        opt.zero_grad(set_to_none=True)
+        main.backward()  # never reaches the aux head: its parameters must not move in this step
+        opt.step()
+    assert_same_params(ours, reference)
+
+
+@parameterized.expand([(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for u in (False, True)])
+def test_zero_grad_between_forward_and_backward(strategy: str, use_orig_params: bool) -> None:
+    run_on_ranks(_zero_grad_between_forward_and_backward, 2, strategy, use_orig_params)
+    run_on_ranks(_zero_grad_of_a_unit_backward_skips, 2, strategy, use_orig_params)
