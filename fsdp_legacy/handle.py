@@ -82,6 +82,7 @@ class FlatParamHandle:
         self.use_orig_params = use_orig_params
         self.training_state = HandleTrainingState.IDLE
         self.unshard_work: Optional[dist.Work] = None
+        self._gather_input: Optional[torch.Tensor] = None  # the all-gather's input while it is in flight
         self.saved_grad: Optional[torch.Tensor] = None
         self.new_grad: Optional[torch.Tensor] = None  # this backward's reduced sharded gradient
         self.unsynced_grad: Optional[torch.Tensor] = None  # unsharded gradients accumulated under no_sync()
@@ -188,15 +189,24 @@ class FlatParamHandle:
             return
         shard = self.local_shard.to(device=self.compute_device, dtype=self.full_padded.dtype, non_blocking=True)
         self.unshard_work = comm.all_gather(self.full_padded, shard, self.group)
+        self._gather_input = shard
 
     def wait_unshard(self) -> None:
         if self.is_unsharded:
             return
         self.unshard()
-        self.unshard_work.wait()
-        self.unshard_work = None
+        self._finish_unshard_work()
         self.flat_param.data = self.full_padded  # `.grad` may keep the sharded gradient's shape: see above
         self.is_unsharded = True
+
+    def _finish_unshard_work(self) -> None:
+        self.unshard_work.wait()
+        self.unshard_work = None
+        gather_input, self._gather_input = self._gather_input, None
+        if gather_input is not None and gather_input is not self.local_shard and gather_input.device.type == "cpu":
+            # A low-precision copy of the shard: free it now rather than whenever the backend's work object, which
+            # keeps its inputs, is released (gloo's may outlive wait()).
+            _free(gather_input)
 
     def reshard(self) -> None:
         """Back to the local shard and free the unsharded storage."""
@@ -204,8 +214,7 @@ class FlatParamHandle:
         if not self.uses_buffer:
             return
         if self.unshard_work is not None:  # a prefetch nobody used: it must finish before its buffer is freed
-            self.unshard_work.wait()
-            self.unshard_work = None
+            self._finish_unshard_work()
         if self.is_unsharded:
             self.flat_param.data = self.local_shard
             self.is_unsharded = False
