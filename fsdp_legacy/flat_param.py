@@ -12,7 +12,7 @@ interchangeable with torch's:
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -65,6 +65,7 @@ class FlatParamLayout:
     segments: tuple[tuple[int, bool], ...]  # (numel, is_padding) covering [0, numel) in order
     numel: int  # unsharded numel, alignment padding included, world padding not
     world_size: int
+    aligned_numel: int = 0  # parameters start at multiples of this (0: no alignment padding)
 
     @property
     def shard_numel(self) -> int:
@@ -132,21 +133,15 @@ def iter_unit_modules(root: nn.Module, is_boundary: Callable[[nn.Module], bool])
         stack.extend(reversed(children))
 
 
-def build_layout(
-    root: nn.Module,
-    managed: set[nn.Parameter],
-    is_boundary: Callable[[nn.Module], bool],
-    world_size: int,
-    aligned_numel: int,
-) -> FlatParamLayout:
-    """Lay out the parameters of `managed` found below `root` the way torch FSDP1 does.
+def plan_segments(
+    numels: Sequence[int], aligned_numel: int, world_size: int
+) -> tuple[tuple[int, ...], tuple[tuple[int, bool], ...], int]:
+    """(offset of each parameter, (numel, is_padding) segments, total numel) of a flat parameter holding parameters of
+    these sizes in this order: torch's rules, also used offline to re-plan a layout for another world size.
 
-    `aligned_numel` is 0 for no alignment (use_orig_params=False), else 16 bytes / itemsize of the compute dtype.
-    """
-    params: list[ParamInfo] = []
-    shared: list[SharedParamInfo] = []
+    `aligned_numel` is 0 for no alignment (use_orig_params=False), else 16 bytes / itemsize of the compute dtype."""
+    offsets: list[int] = []
     segments: list[tuple[int, bool]] = []
-    seen: dict[nn.Parameter, ParamInfo] = {}
     total = 0
 
     def pad(multiple: int) -> None:
@@ -156,24 +151,50 @@ def build_layout(
             segments.append((gap, True))
             total += gap
 
+    for numel in numels:
+        if aligned_numel and total:
+            pad(aligned_numel)
+        offsets.append(total)
+        segments.append((numel, False))
+        total += numel
+    if aligned_numel:
+        pad(world_size)
+    return tuple(offsets), tuple(segments), total
+
+
+def build_layout(
+    root: nn.Module,
+    managed: set[nn.Parameter],
+    is_boundary: Callable[[nn.Module], bool],
+    world_size: int,
+    aligned_numel: int,
+) -> FlatParamLayout:
+    """Lay out the parameters of `managed` found below `root` the way torch FSDP1 does (see `plan_segments`)."""
+    found: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    shared: list[tuple[nn.Module, str, str, nn.Parameter]] = []
+    seen: set[nn.Parameter] = set()
     for module_name, module in iter_unit_modules(root, is_boundary):
         for param_name, param in module._parameters.items():
             if param is None or param not in managed:
                 continue
             if param in seen:
-                shared.append(SharedParamInfo(module, module_name, param_name, seen[param]))
-                continue
-            if aligned_numel and total:
-                pad(aligned_numel)
-            fqn = f"{module_name}.{param_name}" if module_name else param_name
-            info = ParamInfo(fqn, module, module_name, param_name, param.shape, total)
-            seen[param] = info
-            params.append(info)
-            segments.append((info.numel, False))
-            total += info.numel
-    if aligned_numel:
-        pad(world_size)
-    return FlatParamLayout(tuple(params), tuple(shared), tuple(segments), total, world_size)
+                shared.append((module, module_name, param_name, param))
+            else:
+                seen.add(param)
+                found.append((module_name, module, param_name, param))
+    offsets, segments, total = plan_segments([p.numel() for *_, p in found], aligned_numel, world_size)
+    params: dict[nn.Parameter, ParamInfo] = {}
+    for (module_name, module, param_name, param), offset in zip(found, offsets):
+        fqn = f"{module_name}.{param_name}" if module_name else param_name
+        params[param] = ParamInfo(fqn, module, module_name, param_name, param.shape, offset)
+    return FlatParamLayout(
+        tuple(params.values()),
+        tuple(SharedParamInfo(module, name, param_name, params[p]) for module, name, param_name, p in shared),
+        segments,
+        total,
+        world_size,
+        aligned_numel,
+    )
 
 
 def flatten(layout: FlatParamLayout, tensors: dict[ParamInfo, torch.Tensor], device, dtype) -> torch.Tensor:

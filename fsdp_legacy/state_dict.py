@@ -46,6 +46,8 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
+from .convert.errors import CheckpointError
+from .convert.record import RECORD_SUFFIX, FlatParamRecord
 from .flat_param import ParamInfo
 from .handle import FlatParamHandle
 
@@ -191,6 +193,15 @@ def _post_state_dict_hook(unit: "Unit", destination: dict, prefix: str, local_me
     if handle is not None:
         if kind == StateDictType.LOCAL_STATE_DICT:
             entries[_fsdp.FLAT_PARAM] = _local_flat_tensor(handle, config.offload_to_cpu)
+            # fsdp_legacy's addition, right after it: the layout record that makes the checkpoint readable without the
+            # model's code (docs/compatibility.md).
+            record = FlatParamRecord.from_layout(handle.layout, _clean(prefix), handle.local_shard.dtype)
+            entries = {
+                key: value
+                for name, entry in entries.items()
+                for key, value in [(name, entry)] + ([(name + RECORD_SUFFIX, record.to_tensor())]
+                                                     if name == _fsdp.FLAT_PARAM else [])
+            }
         else:
             entries.pop(_fsdp.FLAT_PARAM, None)
             values = _unsharded_values(unit, handle, kind, config, keep)
@@ -448,10 +459,11 @@ def _pre_load_state_dict_hook(
     # Take the unit's parameter entries out: they are loaded (and reported missing) here, not by nn.Module.
     flat_key = wrapped + _fsdp.FLAT_PARAM
     flat_value = state_dict.pop(flat_key, None)
+    local = kind == StateDictType.LOCAL_STATE_DICT
+    record = state_dict.pop(flat_key + RECORD_SUFFIX, None) if local else None  # absent in torch's LOCAL dicts
     refs = [(wrapped + relative, module, name, info) for relative, module, name, info in _managed_keys(handle)]
     values = {key: state_dict.pop(key) for key, *_ in refs if key in state_dict}
     registered = {key: module._parameters.get(name) for key, module, name, _ in refs}
-    local = kind == StateDictType.LOCAL_STATE_DICT
     # A LOCAL_STATE_DICT names parameters only as use_orig_params' 1-D local views (beside _flat_param).
     by_name = [key for key, value in values.items() if not _same_shape(value, registered[key])]
     if (flat_value is not None and not local) or (local and by_name):
@@ -461,7 +473,7 @@ def _pre_load_state_dict_hook(
         if flat_value is None:
             missing_keys.append(flat_key)
         else:
-            _load_local(handle, _clean(flat_key), flat_value, error_msgs)
+            _load_local(handle, _clean(flat_key), flat_value, record, error_msgs)
     else:
         _load_by_name(handle, [(key, info) for key, _, _, info in refs], values, missing_keys, error_msgs)
     # nn.Module then checks the tensors registered on the unit's modules (the flat parameter, or with use_orig_params
@@ -567,14 +579,17 @@ def _collective_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _load_local(handle: FlatParamHandle, key: str, value: Any, error_msgs: list[str]) -> None:
-    """LOCAL_STATE_DICT: `_flat_param` must be a ShardedTensor laid out exactly as this rank's shard."""
+def _load_local(handle: FlatParamHandle, key: str, value: Any, record: Any, error_msgs: list[str]) -> None:
+    """LOCAL_STATE_DICT: `_flat_param` must be a ShardedTensor laid out exactly as this rank's shard, and its layout
+    record, when the checkpoint has one (torch's have none), must describe this unit's flat parameter."""
     if not isinstance(value, ShardedTensor):
         error_msgs.append(
             f"{key} of a LOCAL_STATE_DICT must be a ShardedTensor (as state_dict() returns under LOCAL_STATE_DICT) but "
             f"is a {type(value).__name__}. A full checkpoint loads under FSDP.state_dict_type(model, "
             "StateDictType.FULL_STATE_DICT)."
         )
+        return
+    if record is not None and not _check_record(handle, key, record, error_msgs):
         return
     numel, shard_numel, valid = _local_geometry(handle)
     metadata = value.metadata()
@@ -590,7 +605,8 @@ def _load_local(handle: FlatParamHandle, key: str, value: Any, error_msgs: list[
             error_msgs.append(
                 f"{key} is a LOCAL_STATE_DICT saved with world size {saved_world_size} (shards of {saved_shard_numel} "
                 f"elements) but this model runs with world size {handle.world_size}: a LOCAL_STATE_DICT only loads at "
-                "the world size it was saved with. Save a SHARDED_STATE_DICT or FULL_STATE_DICT to change world size."
+                "the world size it was saved with. Save a SHARDED_STATE_DICT or FULL_STATE_DICT to change world size, "
+                f"or convert a saved checkpoint offline: {_CONVERT_HINT.format(world_size=handle.world_size)}."
             )
         else:
             error_msgs.append(
@@ -601,6 +617,44 @@ def _load_local(handle: FlatParamHandle, key: str, value: Any, error_msgs: list[
         return
     if _check(key, value, torch.Size([numel]), handle.local_shard.dtype, error_msgs) and valid:
         handle.local_shard[:valid].copy_(shards[0].tensor.reshape(-1))
+
+
+_CONVERT_HINT = "python tools/convert_checkpoint.py CHECKPOINT NEW_CHECKPOINT --to local --world-size {world_size}"
+
+
+def _check_record(handle: FlatParamHandle, key: str, value: Any, error_msgs: list[str]) -> bool:
+    """The record's parameters, shapes and offsets must be this unit's. Its world size may differ where the flat
+    parameter is the same (use_orig_params=False): DCP then reshards it correctly; the shard geometry check catches
+    per-rank files from another world size."""
+    where = f"{key}{RECORD_SUFFIX}"
+    try:
+        saved = FlatParamRecord.from_tensor(value, where)
+    except CheckpointError as error:
+        error_msgs.append(str(error))
+        return False
+    mine = FlatParamRecord.from_layout(handle.layout, saved.prefix, handle.local_shard.dtype)
+    if (saved.params, saved.shared, saved.numel, saved.dtype) == (mine.params, mine.shared, mine.numel, mine.dtype):
+        return True
+    if saved.world_size != mine.world_size and saved.at_world_size(mine.world_size) == mine:
+        error_msgs.append(
+            f"{key} is a LOCAL_STATE_DICT saved with world size {saved.world_size} but this model runs with world size "
+            f"{mine.world_size}, and its flat parameter's padding depends on the world size (use_orig_params=True). "
+            f"Convert the saved checkpoint offline: {_CONVERT_HINT.format(world_size=mine.world_size)}, or save a "
+            "SHARDED_STATE_DICT or FULL_STATE_DICT to change world size."
+        )
+    else:
+        error_msgs.append(
+            f"{key}: the checkpoint's flat parameter holds {_summary(saved)}, this model's holds {_summary(mine)}. A "
+            "LOCAL_STATE_DICT loads only into the same model, wrap policy and use_orig_params setting it was saved "
+            "from; convert it offline with python tools/convert_checkpoint.py CHECKPOINT NEW_CHECKPOINT --to local "
+            "--layout-from A_LOCAL_CHECKPOINT_OF_THIS_MODEL."
+        )
+    return False
+
+
+def _summary(record: FlatParamRecord) -> str:
+    params = ", ".join(f"{p.fqn} {list(p.shape)}@{p.offset}" for p in record.params)
+    return f"[{params}] ({record.numel} {str(record.dtype).removeprefix('torch.')} elements)"
 
 
 def _post_load_state_dict_hook(unit: "Unit", incompatible_keys: Any) -> None:

@@ -605,15 +605,24 @@ def _save_sharded_for_fsdp2(uop: bool, path: str) -> tuple[list[torch.Tensor], d
     return losses, full_params(model)
 
 
-def _continue_in_fsdp2(uop: bool, path: str) -> tuple[list[torch.Tensor], dict]:
+def load_into_fsdp2(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    """A fully_shard model and its optimizer load a DCP checkpoint {"model": ..., "optim": ...} with torch's helpers."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
+
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+
+
+def _continue_in_fsdp2(uop: bool, path: str) -> tuple[list[torch.Tensor], dict]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(123)  # a different initialisation: everything must come from the checkpoint
@@ -621,10 +630,7 @@ def _continue_in_fsdp2(uop: bool, path: str) -> tuple[list[torch.Tensor], dict]:
     fully_shard(model.block)
     fully_shard(model)
     optim = adam(model)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optim, state["optim"])
+    load_into_fsdp2(model, optim, path)
     losses = train(model, optim, Config("net", use_orig_params=uop), range(2, 4))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return losses, {name: tensor for name, tensor in full.items() if name != "buf"}

@@ -27,6 +27,7 @@ import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType
 from fsdp_legacy import state_dict as our_state_dict
+from fsdp_legacy.convert import FlatParamRecord
 from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, full_params, loss_of, train
 from harness import run_on_ranks
 
@@ -67,6 +68,18 @@ def describe(value: Any) -> tuple:
     if isinstance(value, DTensor):
         return ("DTensor", tuple(value.shape), value.dtype, tuple(map(str, value.placements)), value.to_local())
     return ("Tensor", tuple(value.shape), value.dtype, value)
+
+
+def without_records(sd: dict) -> dict:
+    """Our LOCAL_STATE_DICT less the layout records torch's lacks (docs/compatibility.md): each record sits right
+    after its flat parameter and describes it."""
+    keys = list(sd)
+    for index, key in enumerate(keys):
+        if key.endswith("_flat_param_meta"):
+            assert keys[index - 1] == key.removesuffix("_meta"), f"{key} follows its flat parameter"
+            record = FlatParamRecord.from_tensor(sd[key], key)
+            assert record.flat_key == key.removesuffix("_meta") and record.numel == sd[keys[index - 1]].size(0)
+    return {key: value for key, value in sd.items() if not key.endswith("_flat_param_meta")}
 
 
 def assert_same(ours: dict, theirs: dict, what: str) -> None:
@@ -195,7 +208,7 @@ def _matches_torch(config: Config) -> None:
     train(theirs, config)
     train(DDP(reference), config)
     for kind in TYPES:
-        assert_same(state_dict(ours, fsdp_legacy, kind), state_dict(theirs, torch_fsdp, kind), kind)
+        assert_same(without_records(state_dict(ours, fsdp_legacy, kind)), state_dict(theirs, torch_fsdp, kind), kind)
     full = state_dict(ours, fsdp_legacy, "FULL_STATE_DICT")
     expected = reference.state_dict()
     assert list(full) == list(expected), "FULL keys in the unwrapped model's order"
@@ -234,7 +247,7 @@ def _ignored_params_match_torch(use_orig_params: bool) -> None:
             net, use_orig_params=use_orig_params, ignored_states=[net.l1.weight], device_id=torch.device("cpu")
         )
     for kind in TYPES:
-        assert_same(state_dict(ours, fsdp_legacy, kind), state_dict(theirs, torch_fsdp, kind), kind)
+        assert_same(without_records(state_dict(ours, fsdp_legacy, kind)), state_dict(theirs, torch_fsdp, kind), kind)
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -448,13 +461,22 @@ def _ours_to_torch(config: Config, kind: str) -> None:
     _, ours = build_ours(config)
     train(ours, config)
     theirs = build_torch_fsdp(config, seed=1)
+    sd = state_dict(ours, fsdp_legacy, kind)
     if kind == "LOCAL_STATE_DICT" and config.use_orig_params:
         # torch's own LOCAL dict with use_orig_params fails its strict load the same way: it reports its _flat_param
-        # keys unexpected, and loads the named 1-D views beside them.
-        result = load(theirs, torch_fsdp, kind, state_dict(ours, fsdp_legacy, kind), strict=False)
-        assert result.missing_keys == [] and all(k.endswith("_flat_param") for k in result.unexpected_keys)
+        # keys unexpected, and loads the named 1-D views beside them; our layout records are unexpected to it too.
+        result = load(theirs, torch_fsdp, kind, sd, strict=False)
+        assert result.missing_keys == [] and all(k.endswith(("_flat_param", "_flat_param_meta"))
+                                                 for k in result.unexpected_keys)
+    elif kind == "LOCAL_STATE_DICT":
+        # torch's strict load reports exactly our layout records unexpected (documented); without them it loads.
+        records = [key for key in sd if key.endswith("_flat_param_meta")]
+        assert records
+        result = load(theirs, torch_fsdp, kind, sd, strict=False)
+        assert result.missing_keys == [] and sorted(result.unexpected_keys) == sorted(records)
+        load(theirs, torch_fsdp, kind, without_records(sd))
     else:
-        load(theirs, torch_fsdp, kind, state_dict(ours, fsdp_legacy, kind))
+        load(theirs, torch_fsdp, kind, sd)
     assert_full_equal(torch_full(theirs), state_dict(ours, fsdp_legacy, "FULL_STATE_DICT"), f"ours {kind} into torch")
 
 

@@ -1,0 +1,180 @@
+"""Offline conversion between the three checkpoint formats, on the CPU, without a process group or the model's code:
+
+* "local": a DCP directory of {"model": LOCAL_STATE_DICT, "optim": optim_state_dict} (flat parameters with their
+  layout records), one chunk per rank of the world size it is laid out for;
+* "dcp": a DCP directory in FSDP2's layout, every original parameter under its FQN (fully_shard models load it
+  with dcp.load at any world size);
+* "full": one torch.save file {"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]}}.
+
+The optimizer state is keyed by FQN in all three, so it is copied as it is. Tensors stream one at a time, and what
+was written is read back and compared with the source bit for bit.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .checkpoint import Checkpoint, Path, TensorMeta, dotted
+from .dcp_files import DcpCheckpoint, is_dcp, write_dcp
+from .errors import CheckpointError
+from .flat import Flattened, Unflattened, is_local, records_in
+from .torch_file import TorchFile, write_torch_file
+
+FORMATS = ("local", "dcp", "full")
+
+# progress(phase, bytes done, bytes in total, key of the tensor just done); phases: "write", "verify"
+Progress = Callable[[str, int, int, str], None]
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    source: str
+    destination: str
+    source_format: str
+    target_format: str
+    tensors: int  # tensors written
+    bytes: int  # their size
+    verified: int  # tensors read back and found equal to the source (0 without verification)
+    seconds: float
+
+    def summary(self) -> str:
+        check = f", verified {self.verified} tensors bit for bit" if self.verified else ", not verified"
+        return (f"{self.source} ({self.source_format}) -> {self.destination} ({self.target_format}): "
+                f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB{check}, {self.seconds:.1f} s")
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    """A DCP directory or a torch.save file, as it is stored."""
+    if is_dcp(path):
+        return DcpCheckpoint(path)
+    if os.path.isfile(path):
+        return TorchFile(path)
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a directory without a DCP .metadata file: the save did not finish, or this "
+                              "is not a checkpoint. Pass a DCP checkpoint directory or a torch.save file.")
+    raise CheckpointError(f"{path} does not exist.")
+
+
+def format_of(checkpoint: Checkpoint) -> str:
+    if is_local(checkpoint):
+        return "local"
+    return "dcp" if isinstance(checkpoint, DcpCheckpoint) else "full"
+
+
+def by_fqn(checkpoint: Checkpoint, layout_from: Optional[str] = None) -> Checkpoint:
+    """The checkpoint with every original parameter under its FQN (LOCAL ones unflattened by their records)."""
+    if not is_local(checkpoint):
+        return checkpoint
+    layout = None
+    if layout_from is not None:
+        with open_checkpoint(layout_from) as other:
+            layout = records_in(other)
+    return Unflattened(checkpoint, layout)
+
+
+def convert_checkpoint(
+    source: str,
+    destination: str,
+    to: str,
+    world_size: Optional[int] = None,
+    layout_from: Optional[str] = None,
+    verify: bool = True,
+    progress: Optional[Progress] = None,
+) -> ConversionReport:
+    """Convert the checkpoint at `source` (any of the three formats, detected) to format `to` at `destination`,
+    atomically. `to="local"` lays the flat parameters out for `world_size` (default: the world size of the layout),
+    with the layout carried by the source or read from `layout_from` (a checkpoint of the same model and wrapping)."""
+    if to not in FORMATS:
+        raise CheckpointError(f"Unknown target format {to!r}: choose one of {', '.join(FORMATS)}.")
+    if world_size is not None and (to != "local" or world_size < 1):
+        raise CheckpointError("world_size applies to --to local only, and must be at least 1.")
+    if os.path.abspath(source) == os.path.abspath(destination):
+        raise CheckpointError(f"{destination} is the source: write the conversion to another path.")
+    start = time.perf_counter()
+    progress = progress or (lambda *_: None)
+    with open_checkpoint(source) as stored:
+        source_format = format_of(stored)
+        view = by_fqn(stored, layout_from)
+        _check_optimizer(view)
+        target: Checkpoint = view
+        chunks: dict[Path, list] = {}
+        if to == "local":
+            target = Flattened(view, _target_layout(view, layout_from, world_size))
+            chunks = {path: target.chunks(path) for path, _ in target.tensors() if target.chunks(path) is not None}
+        total = sum(leaf.nbytes for _, leaf in target.tensors())
+        done = [0, 0]
+
+        def on_tensor(path: Path, nbytes: int) -> None:
+            done[0] += 1
+            done[1] += nbytes
+            progress("write", done[1], total, dotted(path))
+
+        if to == "full":
+            write_torch_file(target, destination, on_tensor)
+        else:
+            write_dcp(target, destination, chunks, on_tensor)
+        verified = verify_conversion(target, destination, progress) if verify else 0
+    tensors = sum(1 for _ in target.tensors())
+    return ConversionReport(source, destination, source_format, to, tensors, total, verified,
+                            time.perf_counter() - start)
+
+
+def _target_layout(view: Checkpoint, layout_from: Optional[str], world_size: Optional[int]) -> list:
+    if layout_from is not None:
+        with open_checkpoint(layout_from) as other:
+            records = records_in(other)
+    else:
+        records = records_in(view)
+    if not records:
+        raise CheckpointError(
+            f"{view.location} carries no flat-parameter layout (it was not converted from a checkpoint saved by "
+            "fsdp_legacy under LOCAL_STATE_DICT): pass --layout-from (layout_from=) a LOCAL checkpoint of the same "
+            "model and wrapping saved by fsdp_legacy, at any world size."
+        )
+    return [r.at_world_size(world_size) if world_size else r for r in records.values()]
+
+
+def _check_optimizer(view: Checkpoint) -> None:
+    model = view.section("model")
+    for path in view.leaves:
+        if path[:2] == ("optim", "state") and len(path) > 2 and path[2] not in model:
+            raise CheckpointError(
+                f"{dotted(path)} in {view.location}: the optimizer state names a parameter the model section does not "
+                "have. Save the optimizer with FSDP.optim_state_dict(model, optim) (keyed by FQN) next to the "
+                "model's state dict."
+            )
+
+
+def verify_conversion(expected: Checkpoint, destination: str, progress: Optional[Progress] = None) -> int:
+    """Read `destination` back and compare every leaf with `expected` (what was meant to be written), tensors bit for
+    bit; returns the number of tensors compared."""
+    progress = progress or (lambda *_: None)
+    with open_checkpoint(destination) as written:
+        if expected.leaves.keys() != written.leaves.keys():
+            missing = sorted(dotted(p) for p in expected.leaves.keys() - written.leaves.keys())
+            extra = sorted(dotted(p) for p in written.leaves.keys() - expected.leaves.keys())
+            raise CheckpointError(f"Verification of {destination} failed: missing {missing}, unexpected {extra}.")
+        total = sum(leaf.nbytes for _, leaf in expected.tensors())
+        done = count = 0
+        for path, leaf in expected.leaves.items():
+            if not isinstance(leaf, TensorMeta):
+                if written.leaves[path] != leaf:
+                    raise CheckpointError(f"Verification of {destination} failed: {dotted(path)} is "
+                                          f"{written.leaves[path]!r}, expected {leaf!r}.")
+                continue
+            if written.leaves[path] != leaf or not _same_bits(written.read(path), expected.read(path)):
+                raise CheckpointError(f"Verification of {destination} failed: {dotted(path)} differs from the source.")
+            count += 1
+            done += leaf.nbytes
+            progress("verify", done, total, dotted(path))
+    return count
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact equality, NaNs and signed zeros included."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))

@@ -1,0 +1,276 @@
+"""A torch.distributed.checkpoint (DCP) directory as a checkpoint, read and written by one process with no process
+group.
+
+Reading does not go through dcp.load, which unpickles `.metadata` and every non-tensor item without restriction: the
+metadata is unpickled with only DCP's own metadata classes allowed, and every item (a torch.save archive at an offset
+of a `.distcp` file) is CRC-checked and loaded with weights_only=True, one tensor at a time.
+
+Writing goes through dcp.save (so the files are DCP's own), planned from tensors on the meta device: a planner
+materialises each tensor from the source only when the writer asks for it, and can store a tensor as several chunks
+(a LOCAL checkpoint's flat parameters, one chunk per rank as N ranks would have saved them). Each item goes to a file
+of its own, since DCP's writer holds every tensor of a file until the file is done.
+"""
+
+import dataclasses
+import io
+import os
+import pickle
+import warnings
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from .atomic import atomic_directory
+from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, unflatten
+from .errors import CheckpointError
+from .integrity import check_archive
+from .loading import safe_load
+
+METADATA_FILE = ".metadata"
+
+# Everything a DCP .metadata pickle may name; anything else could run code when unpickled.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise _Refused(f"{module}.{name}")
+
+
+def is_dcp(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+class DcpCheckpoint(Checkpoint):
+    def __init__(self, path: str) -> None:
+        self.location = path
+        metadata = _read_metadata(os.path.join(path, METADATA_FILE))
+        storage = metadata.storage_data
+        if not isinstance(storage, Mapping) or any(
+            type(v).__name__ != "_StorageInfo" or getattr(v, "transform_descriptors", None) for v in storage.values()
+        ):
+            raise CheckpointError(f"{path} was written by a DCP storage writer other than FileSystemWriter without "
+                                  "extensions (or compresses its items): only that layout can be read offline.")
+        stored = {(index.fqn, tuple(index.offset) if index.offset is not None else None): info
+                  for index, info in storage.items()}
+        mapping = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+        self._items: dict[Path, list[_Stored]] = {}
+        self.leaves = {}
+        for key, entry in metadata.state_dict_metadata.items():
+            path = tuple(mapping.get(key, (key,)))
+            if isinstance(entry, TensorStorageMetadata):
+                self._items[path] = [self._locate(stored, key, tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
+                self.leaves[path] = TensorMeta(torch.Size(entry.size), entry.properties.dtype)
+                covered = sum(torch.Size(c.sizes).numel() for c in entry.chunks)
+                if covered != torch.Size(entry.size).numel():
+                    raise CheckpointError(f"{path}/{METADATA_FILE}: the chunks of {key} cover {covered} of its "
+                                          f"{torch.Size(entry.size).numel()} elements: the checkpoint is incomplete.")
+            elif isinstance(entry, BytesStorageMetadata):
+                self.leaves[path] = self._load(self._locate(stored, key, None, None), key)
+        if not any(p[0] == "model" for p in self.leaves) and all(len(p) == 1 for p in self.leaves):
+            self._items = {("model", *p): v for p, v in self._items.items()}  # dcp.save(model.state_dict())
+            self.leaves = {("model", *p): v for p, v in self.leaves.items()}
+        self._cache: tuple[Optional[_Stored], Any] = (None, None)  # the last item read: flat slices reuse it
+
+    def _locate(self, stored: Mapping, key: str, offsets: Any, sizes: Any) -> _Stored:
+        info = stored.get((key, offsets))
+        if info is None:
+            raise CheckpointError(f"{self.location}/{METADATA_FILE} lists {key} but not where it is stored: the "
+                                  "metadata is damaged. Restore the checkpoint from a copy.")
+        return _Stored(offsets, sizes, str(info.relative_path), int(info.offset), int(info.length))
+
+    def read(self, path: Path) -> torch.Tensor:
+        meta = self.leaves[path]
+        out = torch.empty(meta.shape, dtype=meta.dtype)
+        for item in self._items[path]:
+            region = tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))
+            out[region].copy_(self._tensor(item, path))
+        return out
+
+    def read_flat(self, path: Path, start: int, stop: int) -> torch.Tensor:
+        if len(self.leaves[path].shape) != 1:
+            return super().read_flat(path, start, stop)
+        out = torch.empty(stop - start, dtype=self.leaves[path].dtype)
+        for item in self._items[path]:
+            lo, hi = max(start, item.offsets[0]), min(stop, item.offsets[0] + item.sizes[0])
+            if lo < hi:
+                piece = self._tensor(item, path)[lo - item.offsets[0] : hi - item.offsets[0]]
+                out[lo - start : hi - start].copy_(piece)
+        return out
+
+    def chunks(self, path: Path) -> Optional[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+        return [(item.offsets, item.sizes) for item in self._items[path]]
+
+    def _tensor(self, item: _Stored, path: Path) -> torch.Tensor:
+        if self._cache[0] != item:
+            self._cache = (None, None)  # release the previous item first
+            value = self._load(item, dotted(path))
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != item.sizes:
+                raise CheckpointError(f"{self.location}/{item.file}: the item of {dotted(path)} at offset "
+                                      f"{item.offset} is not the tensor chunk of shape {item.sizes} the metadata "
+                                      "lists: the checkpoint is damaged.")
+            self._cache = (item, value)
+        return self._cache[1]
+
+    def _load(self, item: _Stored, key: str) -> Any:
+        file = os.path.join(self.location, item.file)
+        where = f"{file} (the item of {key} at byte {item.offset})"
+        try:
+            handle = open(file, "rb")
+        except FileNotFoundError:
+            raise CheckpointError(f"{file}, which holds {key}, is missing: the checkpoint is incomplete (copy every "
+                                  "file of the directory).") from None
+        with handle:
+            view = io.BufferedReader(_Slice(handle, item.offset, item.length))
+            check_archive(view, where)
+            view.seek(0)
+            return safe_load(view, where)
+
+
+def _read_metadata(file: str) -> Metadata:
+    try:
+        with open(file, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except _Refused as refused:
+        raise CheckpointError(
+            f"{file} refers to {refused}, which DCP metadata never holds: unpickling it could run arbitrary code, so "
+            "it is refused. Use a checkpoint from a trusted source."
+        ) from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as error:
+        raise CheckpointError(f"{file} cannot be read: it is truncated or corrupted ({error}). Restore it from a "
+                              "copy or re-create the checkpoint.") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata: not a DCP checkpoint.")
+    return metadata
+
+
+class _Slice(io.RawIOBase):
+    """A read-only window [start, start + length) of an open file."""
+
+    def __init__(self, file: io.BufferedReader, start: int, length: int) -> None:
+        self._file, self._start, self._length, self._position = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        count = max(0, min(len(buffer), self._length - self._position))
+        self._file.seek(self._start + self._position)
+        count = self._file.readinto(memoryview(buffer)[:count]) or 0
+        self._position += count
+        return count
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_dcp(
+    source: Checkpoint, destination: str, chunks: Mapping[Path, list[Chunk]], on_tensor: Callable[[Path, int], None]
+) -> None:
+    """Write `source` as a DCP checkpoint, atomically, holding one source tensor in memory at a time; a tensor
+    listed in `chunks` is stored as those pieces, the others whole."""
+    with atomic_directory(destination) as temporary:
+        tree = unflatten({path: torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+                          if isinstance(leaf, TensorMeta) else leaf for path, leaf in source.leaves.items()})
+        # One file per item: FileSystemWriter keeps every tensor of a file alive until the file is complete.
+        writer = FileSystemWriter(temporary, single_file_per_rank=False, sync_files=True, thread_count=1,
+                                  per_thread_copy_ahead=0)
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(tree, storage_writer=writer, planner=_StreamingPlanner(source, chunks, on_tensor),
+                         no_dist=True)
+        except CheckpointException as wrapped:  # DCP wraps what the source raised (a damaged item, ...)
+            raise next(iter(wrapped.failures.values()))[0] from None
+
+
+class _StreamingPlanner(DefaultSavePlanner):
+    def __init__(self, source: Checkpoint, chunks: Mapping[Path, list[Chunk]], on_tensor: Callable) -> None:
+        super().__init__()
+        self._source, self._on_tensor = source, on_tensor
+        self._chunks = {dotted(path): pieces for path, pieces in chunks.items()}
+        self._cache: tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items: list[WriteItem] = []
+        for item in plan.items:
+            pieces = self._chunks.get(item.index.fqn)
+            if pieces is None or item.tensor_data is None:
+                items.append(item)
+                continue
+            for offsets, sizes in pieces:
+                chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                data = TensorWriteData(chunk=chunk, properties=item.tensor_data.properties, size=item.tensor_data.size)
+                index = MetadataIndex(item.index.fqn, torch.Size(offsets))
+                items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        value = self.state_dict[index.fqn]
+        if not (isinstance(value, torch.Tensor) and value.is_meta):
+            return value
+        if self._cache[0] != index.fqn:
+            self._cache = (None, None)
+            self._cache = (index.fqn, self._source.read(self.mappings[index.fqn]))
+        return self._cache[1]
+
+    def resolve_data(self, write_item: WriteItem) -> Union[torch.Tensor, io.BytesIO]:
+        data = super().resolve_data(write_item)
+        if write_item.tensor_data is not None:
+            chunk = write_item.tensor_data.chunk
+            data = data[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
+            self._on_tensor(self.mappings[write_item.index.fqn], data.numel() * data.element_size())
+        return data

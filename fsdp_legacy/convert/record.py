@@ -1,0 +1,153 @@
+"""The layout record of one flat parameter: what a LOCAL checkpoint needs to be read without the model's code.
+
+A LOCAL_STATE_DICT stores each FSDP unit's flat shard under `<prefix>_flat_param` and, like torch's, nothing about
+what it holds. fsdp_legacy adds `<prefix>_flat_param_meta` beside it: this record as UTF-8 JSON in a 1-D uint8 tensor,
+so it survives torch.save (weights_only=True), DCP and every tensor-only tool. It lists the original parameters by
+clean FQN with shape and offset, the padding segments, the dtype, the world size it was saved at, the alignment rule
+(so the layout can be re-planned for another world size) and the tied parameters stored once.
+"""
+
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..flat_param import FlatParamLayout, plan_segments
+from .errors import CheckpointError
+
+FLAT_PARAM = "_flat_param"  # torch's name, as fully_sharded_data_parallel.FLAT_PARAM (not imported: no model code here)
+RECORD_SUFFIX = "_meta"
+FORMAT = "fsdp_legacy.flat_param_layout"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    fqn: str  # relative to the unit's prefix
+    shape: tuple[int, ...]
+    offset: int  # first element in the flat parameter
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FlatParamRecord:
+    prefix: str  # the unit's clean state-dict prefix: "" for the root, "block." for a nested unit
+    dtype: torch.dtype
+    world_size: int
+    aligned_numel: int  # 0: no alignment padding (use_orig_params=False)
+    params: tuple[ParamRecord, ...]
+    shared: tuple[tuple[str, str], ...]  # (fqn, fqn of the stored parameter it is tied to), relative to the prefix
+    segments: tuple[tuple[int, bool], ...]  # (numel, is_padding) covering [0, numel)
+    numel: int  # alignment padding included, world padding not (the LOCAL_STATE_DICT's global size)
+
+    @property
+    def flat_key(self) -> str:
+        return self.prefix + FLAT_PARAM
+
+    @property
+    def record_key(self) -> str:
+        return self.prefix + FLAT_PARAM + RECORD_SUFFIX
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world_size)
+
+    def rank_chunks(self) -> list[tuple[int, int]]:
+        """(offset, numel) of every rank's part of the flat parameter, world padding left out, empty ranks omitted:
+        the chunks a LOCAL_STATE_DICT's ShardedTensor (and so DCP) records."""
+        shard, numel = self.shard_numel, self.numel
+        return [(r * shard, min(shard, numel - r * shard)) for r in range(self.world_size) if r * shard < numel]
+
+    def fqns(self) -> list[str]:
+        """Clean FQNs of every parameter the flat parameter holds, tied references included."""
+        return [self.prefix + p.fqn for p in self.params] + [self.prefix + fqn for fqn, _ in self.shared]
+
+    def at_world_size(self, world_size: int) -> "FlatParamRecord":
+        """The same parameters laid out for another world size (only use_orig_params' final padding changes)."""
+        offsets, segments, numel = plan_segments([p.numel for p in self.params], self.aligned_numel, world_size)
+        params = tuple(replace(p, offset=o) for p, o in zip(self.params, offsets))
+        return replace(self, world_size=world_size, params=params, segments=segments, numel=numel)
+
+    # ----------------------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_layout(cls, layout: FlatParamLayout, prefix: str, dtype: torch.dtype) -> "FlatParamRecord":
+        return cls(
+            prefix=prefix,
+            dtype=dtype,
+            world_size=layout.world_size,
+            aligned_numel=layout.aligned_numel,
+            params=tuple(ParamRecord(p.fqn, tuple(p.shape), p.offset) for p in layout.params),
+            shared=tuple(
+                (f"{s.module_name}.{s.param_name}" if s.module_name else s.param_name, s.primary.fqn)
+                for s in layout.shared
+            ),
+            segments=tuple(layout.segments),
+            numel=layout.numel,
+        )
+
+    def to_tensor(self) -> torch.Tensor:
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "prefix": self.prefix,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "world_size": self.world_size,
+            "aligned_numel": self.aligned_numel,
+            "numel": self.numel,
+            "params": [{"fqn": p.fqn, "shape": list(p.shape), "offset": p.offset} for p in self.params],
+            "shared": [list(pair) for pair in self.shared],
+            "segments": [list(s) for s in self.segments],
+        }
+        return torch.frombuffer(bytearray(json.dumps(body, separators=(",", ":")).encode()), dtype=torch.uint8)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, where: str) -> "FlatParamRecord":
+        """Decode and validate a record; `where` (key and file) goes into every error."""
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            raise CheckpointError(f"{where}: a flat-parameter layout record must be a 1-D uint8 tensor, got "
+                                  f"{_describe(tensor)}. The checkpoint is damaged or the key is not a layout record.")
+        try:
+            body = json.loads(bytes(tensor.cpu().numpy()).decode())
+            record = cls(
+                prefix=body["prefix"],
+                dtype=_dtype(body["dtype"]),
+                world_size=int(body["world_size"]),
+                aligned_numel=int(body["aligned_numel"]),
+                params=tuple(ParamRecord(p["fqn"], tuple(p["shape"]), int(p["offset"])) for p in body["params"]),
+                shared=tuple((a, b) for a, b in body["shared"]),
+                segments=tuple((int(n), bool(pad)) for n, pad in body["segments"]),
+                numel=int(body["numel"]),
+            )
+            ok = body.get("format") == FORMAT and body.get("version") == VERSION
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{where}: the flat-parameter layout record is not readable ({error}); the "
+                                  "checkpoint is damaged. Re-save it, or restore it from a copy.") from None
+        if not ok:
+            raise CheckpointError(f"{where}: unknown layout record format {body.get('format')!r} version "
+                                  f"{body.get('version')!r} (this fsdp_legacy reads {FORMAT!r} version {VERSION}); "
+                                  "upgrade fsdp_legacy.")
+        stored = {p.fqn for p in record.params}
+        if (record.world_size < 1 or record.at_world_size(record.world_size) != record
+                or any(primary not in stored for _, primary in record.shared)):
+            raise CheckpointError(f"{where}: the layout record is inconsistent (its offsets and padding do not follow "
+                                  "from its parameter shapes); the checkpoint is damaged. Re-save it.")
+        return record
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
