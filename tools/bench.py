@@ -1,6 +1,7 @@
 """Benchmark fsdp_legacy ("ours") against torch's FSDP1, FSDP2 and DDP on the same models.
 
     python tools/bench.py                              # 2 ranks, gloo on CPU (nccl on CUDA)
+    python tools/bench.py --nproc 1,2,4                # one run per world size, one table
     python tools/bench.py --steps 3 --warmup 1 --rounds 1 --impls torch_fsdp1,fsdp2,ddp
     python tools/bench.py --out docs/benchmarks.md     # also rewrite the table in that file
     python tools/bench.py --plot docs/benchmarks.png   # also draw a figure (needs matplotlib)
@@ -29,6 +30,7 @@ import argparse
 import gc
 import importlib.util
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -198,6 +200,7 @@ def measure_peak_mib(impl: str, wl: Workload, device: torch.device) -> float:
 class Row:
     model: str
     impl: str
+    ranks: int = 0
     times: list[float] = field(default_factory=list)  # seconds, slowest rank per step
     peak_mib: float | None = None
     errors: list[str] = field(default_factory=list)  # "phase: first line of the exception"
@@ -240,7 +243,7 @@ def guarded(row: Row, phase: str, fn: Callable[[], Any]) -> Any:
 def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> list[Row]:
     wl = make_workload(name, dist.get_rank(), device, args.seed)
     impls = [i for i in args.impls if i in BF16_IMPLS] if wl.bf16 else args.impls
-    rows = {impl: Row(name, impl) for impl in impls}
+    rows = {impl: Row(name, impl, dist.get_world_size()) for impl in impls}
 
     log(f"[{name}] memory pass: {', '.join(rows)}")
     for impl, row in rows.items():
@@ -285,25 +288,27 @@ def render(rows: list[Row], args: argparse.Namespace, descs: dict[str, str], env
         mem = "torch.cuda.max_memory_allocated"
     else:
         mem = "live tensor storages (TorchDispatchMode)"
+    ranks = ", ".join(map(str, args.nproc))
     setup = (
-        f"torch {torch.__version__}, {args.nproc} ranks, {env}; "
+        f"torch {torch.__version__}, {ranks} ranks, {env}; "
         f"{args.rounds} rounds x {args.steps} timed steps after {args.warmup} warm-up; "
         f"step = forward + backward + SGD(momentum); peak memory per rank from {mem}."
     )
     lines = [
         setup,
         "",
-        "| model | impl | median step (ms) | vs torch FSDP1 | peak MiB / rank | notes |",
-        "| --- | --- | ---: | ---: | ---: | --- |",
+        "| model | ranks | impl | median step (ms) | vs torch FSDP1 | peak MiB / rank | notes |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- |",
     ]
-    base = {r.model: statistics.median(r.times) for r in rows if r.impl == BASELINE and r.times}
+    base = {(r.model, r.ranks): statistics.median(r.times) for r in rows if r.impl == BASELINE and r.times}
     for r in rows:
         med = statistics.median(r.times) if r.times else None
         ms = f"{med * 1e3:.1f}" if med is not None else "n/a"
-        ratio = f"{med / base[r.model]:.2f}x" if med is not None and r.model in base else "n/a"
+        key = (r.model, r.ranks)
+        ratio = f"{med / base[key]:.2f}x" if med is not None and key in base else "n/a"
         peak = f"{r.peak_mib:.1f}" if r.peak_mib is not None else "n/a"
         notes = "; ".join(e[:120] for e in r.errors).replace("|", "\\|")
-        lines.append(f"| {r.model} | {r.impl} | {ms} | {ratio} | {peak} | {notes} |")
+        lines.append(f"| {r.model} | {r.ranks} | {r.impl} | {ms} | {ratio} | {peak} | {notes} |")
     lines += ["", "Models: " + "; ".join(f"`{m}` = {d}" for m, d in descs.items()) + "."]
     return "\n".join(lines)
 
@@ -334,7 +339,8 @@ def write_report(path: Path, report: str) -> None:
 
 
 def plot(rows: list[Row], path: Path, title: str, descs: dict[str, str]) -> None:
-    """Per model: median step time per impl (ratio vs torch FSDP1 on the bars) and peak MiB."""
+    """Per model: median step time (labelled with the ratio vs torch FSDP1) and peak MiB per rank, one group of bars
+    per world size."""
     try:
         import matplotlib
 
@@ -346,28 +352,43 @@ def plot(rows: list[Row], path: Path, title: str, descs: dict[str, str]) -> None
         ) from e
 
     models = list(dict.fromkeys(r.model for r in rows))
-    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 6.4), squeeze=False)
+    world_sizes = sorted({r.ranks for r in rows})
+    fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 6.6), squeeze=False)
     colors = plt.get_cmap("tab10").colors
     for col, model in enumerate(models):
         mrows = [r for r in rows if r.model == model]
-        names = [r.impl for r in mrows]
-        ms = [statistics.median(r.times) * 1e3 if r.times else 0.0 for r in mrows]
-        mib = [r.peak_mib or 0.0 for r in mrows]
-        base = {r.impl: m for r, m in zip(mrows, ms)}.get(BASELINE, 0.0)
-        bar_colors = [colors[IMPLS.index(n) % len(colors)] for n in names]
-        for row, (vals, ylabel) in enumerate(((ms, "median step (ms)"), (mib, "peak MiB / rank"))):
-            ax = axes[row][col]
-            bars = ax.bar(names, vals, color=bar_colors)
-            if row == 0:
-                ax.set_title(f"{descs.get(model, model)}\nlabels: ratio vs {BASELINE}", fontsize=9)
-                labels = [f"{v / base:.2f}x" if base and v else "n/a" for v in vals]
-            else:
-                labels = [f"{v:.1f}" if v else "n/a" for v in vals]
-            ax.bar_label(bars, labels=labels, fontsize=8, padding=2)
+        impls = list(dict.fromkeys(r.impl for r in mrows))
+        width = 0.8 / len(impls)
+        for row_index, ylabel in enumerate(("median step (ms)", "peak MiB / rank")):
+            ax = axes[row_index][col]
+            top = 1e-9
+            for i, impl in enumerate(impls):
+                xs, vals, labels = [], [], []
+                for x, ranks in enumerate(world_sizes):
+                    found = [r for r in mrows if r.impl == impl and r.ranks == ranks]
+                    if not found:
+                        continue
+                    r = found[0]
+                    base = [b for b in mrows if b.impl == BASELINE and b.ranks == ranks and b.times]
+                    if row_index == 0:
+                        v = statistics.median(r.times) * 1e3 if r.times else 0.0
+                        b = statistics.median(base[0].times) * 1e3 if base else 0.0
+                        labels.append(f"{v / b:.2f}x" if b and v else "n/a")
+                    else:
+                        v = r.peak_mib or 0.0
+                        labels.append(f"{v:.1f}" if v else "n/a")
+                    xs.append(x + (i - (len(impls) - 1) / 2) * width)
+                    vals.append(v)
+                bars = ax.bar(xs, vals, width, label=impl, color=colors[IMPLS.index(impl) % len(colors)])
+                ax.bar_label(bars, labels=labels, fontsize=6, padding=1, rotation=90)
+                top = max([top, *vals])
+            ax.set_xticks(range(len(world_sizes)), [f"{w} rank{'s' if w > 1 else ''}" for w in world_sizes])
             ax.set_ylabel(ylabel)
-            ax.set_ylim(0, max(vals + [1e-9]) * 1.18)
-            ax.tick_params(axis="x", labelsize=8)
+            ax.set_ylim(0, top * 1.3)
             ax.grid(axis="y", alpha=0.3)
+            if row_index == 0:
+                ax.set_title(f"{descs.get(model, model)}\nlabels: ratio vs {BASELINE}", fontsize=9)
+        axes[0][col].legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -380,21 +401,21 @@ def plot(rows: list[Row], path: Path, title: str, descs: dict[str, str]) -> None
 # --------------------------------------------------------------------------------------
 
 
-def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
+def worker(rank: int, args: argparse.Namespace, nproc: int, store_path: str, result_path: str) -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    torch.set_num_threads(args.threads)  # ranks share the cores: same budget for every impl
-    store = dist.FileStore(store_path, args.nproc)
+    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // nproc))  # same budget for all
+    store = dist.FileStore(store_path, nproc)
     # A finite timeout turns a rank stuck on a peer's failure into an error instead of a hang.
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         store=store,
         rank=rank,
-        world_size=args.nproc,
+        world_size=nproc,
         timeout=timedelta(minutes=10),
     )
 
@@ -408,16 +429,9 @@ def worker(rank: int, args: argparse.Namespace, store_path: str) -> None:
         if cuda:
             env = f"cuda ({torch.cuda.get_device_name()}), nccl"
         else:
-            env = f"CPU, gloo, {args.threads} thread(s) per rank"
-        report = render(rows, args, descs, env)
-        print(report, flush=True)
-        if args.out:
-            write_report(Path(args.out), report)
-            print(f"wrote {args.out}", flush=True)
-        if args.plot:
-            title = f"torch {torch.__version__}, {args.nproc} ranks, {env}"
-            plot(rows, Path(args.plot), title, descs)
-            print(f"wrote {args.plot}", flush=True)
+            env = f"CPU, gloo, {len(os.sched_getaffinity(0))} cores split between the ranks"
+        with open(result_path, "wb") as f:
+            pickle.dump((rows, descs, env), f)
     dist.destroy_process_group()
 
 
@@ -428,7 +442,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the implementations")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn")
+    p.add_argument("--nproc", default="2", help="ranks to spawn; a comma-separated list runs once per world size")
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads per rank (default: cores / nproc)"
     )
@@ -444,15 +458,35 @@ def parse_args() -> argparse.Namespace:
             p.error(f"unknown {sorted(unknown)}; choose from {known}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the long run
         p.error("--plot needs matplotlib: pip install matplotlib (or fsdp_legacy[plot])")
-    if args.threads is None:
-        args.threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
+    args.nproc = [int(n) for n in args.nproc.split(",") if n]
     return args
 
 
 def main() -> None:
     args = parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.nproc, join=True)
+    rows: list[Row] = []
+    descs: dict[str, str] = {}
+    envs = []
+    for nproc in args.nproc:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = os.path.join(tmp, "result.pkl")
+            mp.spawn(worker, args=(args, nproc, os.path.join(tmp, "store"), result), nprocs=nproc, join=True)
+            with open(result, "rb") as f:
+                more, more_descs, env = pickle.load(f)
+        rows += more
+        descs.update(more_descs)
+        envs.append(env)
+    rows.sort(key=lambda r: (args.models.index(r.model), r.ranks))  # stable: impls keep their order
+    env = envs[0] if len(set(envs)) == 1 else "; ".join(envs)
+    report = render(rows, args, descs, env)
+    print(report, flush=True)
+    if args.out:
+        write_report(Path(args.out), report)
+        print(f"wrote {args.out}", flush=True)
+    if args.plot:
+        title = f"torch {torch.__version__}, {', '.join(map(str, args.nproc))} ranks, {env}"
+        plot(rows, Path(args.plot), title, descs)
+        print(f"wrote {args.plot}", flush=True)
 
 
 if __name__ == "__main__":
