@@ -261,6 +261,28 @@ def test_unexpected_keys(tmp_path) -> None:
         convert_checkpoint(str(tmp_path / "ids.pt"), str(tmp_path / "out"), to="dcp")
 
 
+def test_layout_from_must_fit(tmp_path) -> None:
+    """A flat parameter saved without a record (as torch's FSDP1 saves it) takes the layout of --layout-from only if
+    it describes that flat parameter."""
+    full_checkpoint(tmp_path / "layout.pt")
+    full_checkpoint(tmp_path / "nothing.pt", with_layout=False)
+    flat = torch.arange(16.0)
+    for numel in (12, 16):
+        torch.save({"model": {"_flat_param": flat[:numel]}}, tmp_path / "torch_local.pt")
+        if numel == 12:
+            with pytest.raises(CheckpointError, match=r"model\._flat_param in .*torch_local\.pt holds 12 torch\.float32 "
+                                                      r"elements but its layout record describes 16"):
+                convert_checkpoint(str(tmp_path / "torch_local.pt"), str(tmp_path / "out.pt"), to="full",
+                                   layout_from=str(tmp_path / "layout.pt"))
+    convert_checkpoint(str(tmp_path / "torch_local.pt"), str(tmp_path / "out.pt"), to="full",
+                       layout_from=str(tmp_path / "layout.pt"))
+    model = torch.load(tmp_path / "out.pt", weights_only=True)["model"]
+    assert torch.equal(model["w"], flat[:12].view(3, 4)) and torch.equal(model["b"], flat[12:15])
+    with pytest.raises(CheckpointError, match=r"nothing\.pt \(the layout to use\) carries no flat-parameter layout"):
+        convert_checkpoint(str(tmp_path / "torch_local.pt"), str(tmp_path / "out2.pt"), to="full",
+                           layout_from=str(tmp_path / "nothing.pt"))
+
+
 def test_local_checkpoint_from_another_world_size_on_disk(tmp_path) -> None:
     """A LOCAL checkpoint whose chunks (4 ranks) contradict its record (2 ranks)."""
     full_checkpoint(tmp_path / "source.pt")

@@ -21,6 +21,7 @@ from .checkpoint import Checkpoint, Path, TensorMeta, dotted
 from .dcp_files import DcpCheckpoint, is_dcp, write_dcp
 from .errors import CheckpointError
 from .flat import Flattened, Unflattened, is_local, records_in
+from .record import FlatParamRecord
 from .torch_file import TorchFile, write_torch_file
 
 FORMATS = ("local", "dcp", "full")
@@ -64,17 +65,6 @@ def format_of(checkpoint: Checkpoint) -> str:
     return "dcp" if isinstance(checkpoint, DcpCheckpoint) else "full"
 
 
-def by_fqn(checkpoint: Checkpoint, layout_from: Optional[str] = None) -> Checkpoint:
-    """The checkpoint with every original parameter under its FQN (LOCAL ones unflattened by their records)."""
-    if not is_local(checkpoint):
-        return checkpoint
-    layout = None
-    if layout_from is not None:
-        with open_checkpoint(layout_from) as other:
-            layout = records_in(other)
-    return Unflattened(checkpoint, layout)
-
-
 def convert_checkpoint(
     source: str,
     destination: str,
@@ -86,7 +76,8 @@ def convert_checkpoint(
 ) -> ConversionReport:
     """Convert the checkpoint at `source` (any of the three formats, detected) to format `to` at `destination`,
     atomically. `to="local"` lays the flat parameters out for `world_size` (default: the world size of the layout),
-    with the layout carried by the source or read from `layout_from` (a checkpoint of the same model and wrapping)."""
+    with the layout carried by the source or read from `layout_from` (a checkpoint of the same model and wrapping,
+    also what reads LOCAL checkpoints saved without layout records, by torch's FSDP1)."""
     if to not in FORMATS:
         raise CheckpointError(f"Unknown target format {to!r}: choose one of {', '.join(FORMATS)}.")
     if world_size is not None and (to != "local" or world_size < 1):
@@ -95,39 +86,44 @@ def convert_checkpoint(
         raise CheckpointError(f"{destination} is the source: write the conversion to another path.")
     start = time.perf_counter()
     progress = progress or (lambda *_: None)
+    layout = _records_of(layout_from) if layout_from is not None else {}
     with open_checkpoint(source) as stored:
         source_format = format_of(stored)
-        view = by_fqn(stored, layout_from)
+        view = Unflattened(stored, layout) if is_local(stored) else stored  # by FQN, as the other formats are
         _check_optimizer(view)
-        target: Checkpoint = view
-        chunks: dict[Path, list] = {}
+        target, chunks = view, {}
         if to == "local":
-            target = Flattened(view, _target_layout(view, layout_from, world_size))
+            target = Flattened(view, _target_layout(view, layout, world_size))
             chunks = {path: target.chunks(path) for path, _ in target.tensors() if target.chunks(path) is not None}
         total = sum(leaf.nbytes for _, leaf in target.tensors())
-        done = [0, 0]
+        written = 0
 
         def on_tensor(path: Path, nbytes: int) -> None:
-            done[0] += 1
-            done[1] += nbytes
-            progress("write", done[1], total, dotted(path))
+            nonlocal written
+            written += nbytes
+            progress("write", written, total, dotted(path))
 
         if to == "full":
             write_torch_file(target, destination, on_tensor)
         else:
             write_dcp(target, destination, chunks, on_tensor)
         verified = verify_conversion(target, destination, progress) if verify else 0
-    tensors = sum(1 for _ in target.tensors())
+        tensors = sum(1 for _ in target.tensors())
     return ConversionReport(source, destination, source_format, to, tensors, total, verified,
                             time.perf_counter() - start)
 
 
-def _target_layout(view: Checkpoint, layout_from: Optional[str], world_size: Optional[int]) -> list:
-    if layout_from is not None:
-        with open_checkpoint(layout_from) as other:
-            records = records_in(other)
-    else:
-        records = records_in(view)
+def _records_of(path: str) -> dict[str, FlatParamRecord]:
+    with open_checkpoint(path) as checkpoint:
+        records = records_in(checkpoint)
+    if not records:
+        raise CheckpointError(f"{path} (the layout to use) carries no flat-parameter layout records: pass a LOCAL "
+                              "checkpoint saved by fsdp_legacy, or one converted from it.")
+    return records
+
+
+def _target_layout(view: Checkpoint, layout: dict, world_size: Optional[int]) -> list[FlatParamRecord]:
+    records = layout or records_in(view)
     if not records:
         raise CheckpointError(
             f"{view.location} carries no flat-parameter layout (it was not converted from a checkpoint saved by "
@@ -138,7 +134,11 @@ def _target_layout(view: Checkpoint, layout_from: Optional[str], world_size: Opt
 
 
 def _check_optimizer(view: Checkpoint) -> None:
+    """Optimizer state keyed by anything but the model's FQNs (parameter ids, another model) would convert into a
+    checkpoint no model loads."""
     model = view.section("model")
+    if not model:
+        return  # an optimizer-only checkpoint: nothing to check against
     for path in view.leaves:
         if path[:2] == ("optim", "state") and len(path) > 2 and path[2] not in model:
             raise CheckpointError(

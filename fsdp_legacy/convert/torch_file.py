@@ -60,7 +60,8 @@ def write_torch_file(source: Checkpoint, destination: str, on_tensor: Callable[[
 
 
 def _map_shared(path: str) -> Any:
-    """torch.load with a shared memory map: writes to the tensors go to the file."""
+    """torch.load with a shared memory map: writes to the tensors go to the file. (The mmap option is process-wide,
+    hence restored at once.)"""
     previous = torch.serialization.get_default_mmap_options()
     torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)
     try:
