@@ -104,6 +104,11 @@ class FlatParamHandle:
         # Forward/backward use a separate unsharded buffer when sharded, low precision or offloaded (NO_SHARD in full
         # precision on the compute device computes on the flat parameter itself).
         self.uses_buffer = sharded or self.mixed or offload_params
+        # NO_SHARD's unsharded buffer is a local cast (or copy) of the flat parameter: it is dropped after every
+        # forward, the root's too, and recast in backward, as torch does, rather than held through backward.
+        self.recast_only = self.uses_buffer and not sharded
+        if self.recast_only:
+            self.reshard_after_forward = True
         self.is_unsharded = not self.uses_buffer
         requires_grad = any(p.requires_grad for p in params)
         if not use_orig_params:

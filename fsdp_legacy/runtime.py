@@ -100,9 +100,9 @@ class Runtime:
         handle = unit._handle
         grad_enabled = torch.is_grad_enabled()
         if handle is not None:
-            # The root keeps its parameters for the backward that follows at once (as torch FSDP1 does); without
-            # grad there is no backward, so everything reshards.
-            if not grad_enabled or (handle.reshard_after_forward and unit is not self.root):
+            # The root keeps its parameters for the backward that follows at once (as torch FSDP1 does), unless they
+            # are only a local recast (NO_SHARD); without grad there is no backward, so everything reshards.
+            if not grad_enabled or (handle.reshard_after_forward and (unit is not self.root or handle.recast_only)):
                 self._reshard(handle)
             handle.training_state = HandleTrainingState.IDLE
             handle.needs_pre_backward = grad_enabled

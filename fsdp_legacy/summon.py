@@ -10,6 +10,7 @@ import warnings
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as comm
@@ -63,8 +64,7 @@ def _summon_unit(
         # Gathered in full precision into a buffer of its own (not the forward's, which may be low precision); under
         # NO_SHARD the local flat parameter is already whole, so edits to it persist, as torch documents.
         full = _gather(handle, handle.local_shard)
-        grad = handle.sharded_grad()
-        full_grad = _gather(handle, grad) if with_grads and grad is not None else None
+        full_grad = _gather_grad(handle) if with_grads else None
         if rank0_only and handle.rank != 0 and handle.sharded:
             yield  # this rank keeps its shard; it took part in the collective for rank 0
             return
@@ -83,6 +83,20 @@ def _summon_unit(
         if handle is not None:
             handle.training_state = HandleTrainingState.IDLE
         unit.training_state = TrainingState.IDLE
+
+
+def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
+    """The whole flat gradient, or None if no rank has one. With use_orig_params=True a rank holding only frozen
+    parameters has none of its own, so the ranks agree first, and such a rank contributes zeros."""
+    grad = handle.sharded_grad()
+    if handle.sharded:
+        anyone = torch.tensor([float(grad is not None)], device=handle.compute_device)
+        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=handle.group)
+        if not anyone.item():
+            return None
+        if grad is None:
+            grad = torch.zeros_like(handle.local_shard, dtype=handle.grad_dtype)
+    return None if grad is None else _gather(handle, grad)
 
 
 def _gather(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:

@@ -670,6 +670,12 @@ def _save_from_fsdp2(path: str) -> tuple[list[torch.Tensor], dict]:
 
 
 def _continue_in_ours(uop: bool, path: str) -> tuple[list[torch.Tensor], dict]:
+    model, optim = _load_ours(uop, path)
+    return train(model, optim, Config("net", use_orig_params=uop), range(2, 4)), full_params(model)
+
+
+def _load_ours(uop: bool, path: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Our model and Adam loaded from a DCP checkpoint {"model": ..., "optim": ...} in FSDP2's layout."""
     import torch.distributed.checkpoint as dcp
 
     config = Config("net", use_orig_params=uop)
@@ -687,7 +693,7 @@ def _continue_in_ours(uop: bool, path: str) -> tuple[list[torch.Tensor], dict]:
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
         optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
-    return train(model, optim, config, range(2, 4)), full_params(model)
+    return model, optim
 
 
 @pytest.mark.parametrize("uop", [False, True])
@@ -701,3 +707,71 @@ def test_fsdp2_checkpoint_continues_identically_in_ours(tmp_path, uop: bool) -> 
             assert_close(a, b, f"rank {rank} loss {step + 2}")
         for name in want_params:
             assert_close(got_params[name], want_params[name], f"rank {rank} {name}")
+
+
+def _fsdp2_net(seed: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = models.Net()
+    fully_shard(model.block)
+    fully_shard(model)
+    return model
+
+
+def _full_state(model: nn.Module, optim: torch.optim.Optimizer, impl: str) -> dict:
+    """Model and optimizer state, full and by FQN, as each implementation gives them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    if impl == "ours":
+        return {"model": model_sd(model, fsdp_legacy, FULL), "optim": osd(model, optim, fsdp_legacy, FULL)["state"]}
+    full = StateDictOptions(full_state_dict=True)
+    return {"model": get_model_state_dict(model, options=full),
+            "optim": get_optimizer_state_dict(model, optim, options=full)["state"]}
+
+
+def _save_for_migration(impl: str, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model = build_ours(Config("net"))[1] if impl == "ours" else _fsdp2_net(0)
+    optim = adam(model)
+    train(model, optim, Config("net"), range(2))
+    if impl == "ours":
+        with quiet(FSDP.state_dict_type, model, fsdp_legacy.StateDictType.SHARDED_STATE_DICT):
+            dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=path)
+    else:
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
+                 checkpoint_id=path)
+    return _full_state(model, optim, impl)
+
+
+def _load_for_migration(impl: str, path: str) -> dict:
+    if impl == "ours":
+        model, optim = _load_ours(False, path)
+    else:
+        model = _fsdp2_net(123)
+        optim = adam(model)
+        load_into_fsdp2(model, optim, path)
+    return _full_state(model, optim, impl)
+
+
+def _assert_same_state(actual: Any, expected: Any, what: str) -> None:
+    if isinstance(expected, dict):
+        assert set(actual) == set(expected), f"{what}: {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            _assert_same_state(actual[key], expected[key], f"{what}.{key}")
+    else:
+        assert_close(actual, expected, what)
+
+
+@pytest.mark.parametrize(
+    "save_impl,save_world,load_impl,load_world",
+    [("ours", 2, "fsdp2", 1), ("ours", 1, "fsdp2", 2), ("fsdp2", 2, "ours", 1), ("fsdp2", 1, "ours", 2)],
+)
+def test_migration_across_world_sizes(tmp_path, save_impl: str, save_world: int, load_impl: str, load_world: int):
+    """Model and Adam state move between fsdp_legacy and FSDP2 while the world size changes (2 -> 1, 1 -> 2): every
+    value of the full state after loading equals the full state that was saved."""
+    saved = run_on_ranks(_save_for_migration, save_world, save_impl, str(tmp_path))[0]
+    for rank, loaded in enumerate(run_on_ranks(_load_for_migration, load_world, load_impl, str(tmp_path))):
+        _assert_same_state(loaded, saved, f"{save_impl}@{save_world} -> {load_impl}@{load_world}, rank {rank}")

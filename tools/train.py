@@ -7,6 +7,11 @@ gloo on CPU (nccl when CUDA is available). ``--impl torch`` runs the same script
 torch's own FSDP1 for comparison. ``--mixed-precision bf16`` computes in bfloat16 on
 float32 sharded parameters and reduces gradients in float32. ``--activation-checkpointing``
 recomputes each block's activations in backward instead of keeping them.
+
+At the end (fsdp_legacy only, unless ``--migrate-steps 0``) the demo migrates to FSDP2: it saves a
+LOCAL_STATE_DICT checkpoint (flat shards and Adam state), converts it offline with
+fsdp_legacy.convert into FSDP2's layout, loads that into a fresh ``fully_shard`` model with torch's
+own helpers, and trains both models on the same batches: the losses agree.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import importlib
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +74,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--impl", choices=["ours", "torch"], default="ours", help="fsdp_legacy or torch's FSDP1")
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch when not started by torchrun")
+    p.add_argument(
+        "--migrate-steps",
+        type=int,
+        default=5,
+        help="after training, migrate to FSDP2 through a converted checkpoint and continue this many steps "
+        "side by side (0: skip)",
+    )
+    p.add_argument("--checkpoint-dir", default="checkpoints/demo", help="where the migration writes its checkpoints")
     args = p.parse_args()
     if args.steps < 1:
         p.error("--steps must be at least 1")
@@ -183,7 +197,75 @@ def train(args: argparse.Namespace) -> None:
         print("samples:")
         for s in samples:
             print(f"  {s!r}")
+    if args.impl == "ours" and args.migrate_steps > 0:
+        model.train()
+        migrate_to_fsdp2(args, model, opt, lambda: GPT(cfg), data_iter, device, dtypes)
     dist.destroy_process_group()
+
+
+def migrate_to_fsdp2(args: argparse.Namespace, model: Any, opt: torch.optim.Optimizer, build: Any, data_iter: Any,
+                     device: torch.device, dtypes: dict[str, torch.dtype] | None) -> None:
+    """Checkpoint -> offline conversion -> FSDP2, then both models continue on the same batches."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdp_legacy import FullyShardedDataParallel as FSDP
+    from fsdp_legacy import StateDictType
+    from fsdp_legacy.convert import convert_checkpoint
+
+    rank = dist.get_rank()
+    local_dir = os.path.join(args.checkpoint_dir, "local")
+    fsdp2_dir = os.path.join(args.checkpoint_dir, "fsdp2")
+    if rank == 0:
+        shutil.rmtree(local_dir, ignore_errors=True)
+    dist.barrier()
+    # 1. What an FSDP1 job saves: each rank's flat shards (with their layout records) and its optimizer state.
+    with warnings.catch_warnings():  # torch FSDP1's FutureWarning about state_dict_type, kept for parity
+        warnings.simplefilter("ignore", FutureWarning)
+        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=local_dir)
+    del state
+    # 2. Offline, on one process, without the model's code: flat shards -> FSDP2's per-parameter layout.
+    if rank == 0:
+        report = convert_checkpoint(local_dir, fsdp2_dir, to="dcp")
+        print(f"migration: saved {local_dir} (LOCAL_STATE_DICT); converted: {report.summary()}", flush=True)
+    dist.barrier()
+    # 3. FSDP2 loads it with torch's own helpers into a model initialised differently (all comes from the file).
+    torch.manual_seed(args.seed + 1)
+    model2 = build().to(device)
+    mp_policy = MixedPrecisionPolicy(dtypes["param_dtype"], dtypes["reduce_dtype"]) if dtypes else MixedPrecisionPolicy()
+    for block in model2.blocks:
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(model2, mp_policy=mp_policy)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=args.lr)
+    state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(state, checkpoint_id=fsdp2_dir)
+    set_model_state_dict(model2, state["model"])
+    set_optimizer_state_dict(model2, opt2, state["optim"])
+    # 4. Both continue on the same batches (the learning rate is the one saved with the optimizer state).
+    for step in range(args.migrate_steps):
+        x, y = (t.to(device) for t in next(data_iter))
+        losses = []
+        for m, o in ((model, opt), (model2, opt2)):
+            _, loss = m(x, y)
+            o.zero_grad(set_to_none=True)
+            loss.backward()
+            o.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / dist.get_world_size())
+        if rank == 0:
+            print(f"  continued step {step + 1}: fsdp_legacy loss {losses[0]:.5f}, FSDP2 loss {losses[1]:.5f}",
+                  flush=True)
 
 
 def launch_local(nproc: int) -> None:
