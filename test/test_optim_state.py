@@ -33,6 +33,7 @@ from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import wrap as our_wrap
 
 FULL, SHARDED, LOCAL = "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"
+LIBS = {"ours": fsdp_legacy, "torch_fsdp1": torch_fsdp}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -725,6 +726,9 @@ def _full_state(model: nn.Module, optim: torch.optim.Optimizer, impl: str) -> di
 
     if impl == "ours":
         return {"model": model_sd(model, fsdp_legacy, FULL), "optim": osd(model, optim, fsdp_legacy, FULL)["state"]}
+    if impl == "torch_fsdp1":  # (offload_to_cpu=False: torch's default returns aliased values on CPU)
+        config = torch_fsdp.FullOptimStateDictConfig(offload_to_cpu=False)
+        return {"model": model_sd(model, torch_fsdp, FULL), "optim": osd(model, optim, torch_fsdp, FULL, config)["state"]}
     full = StateDictOptions(full_state_dict=True)
     return {"model": get_model_state_dict(model, options=full),
             "optim": get_optimizer_state_dict(model, optim, options=full)["state"]}
@@ -734,12 +738,13 @@ def _save_for_migration(impl: str, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model = build_ours(Config("net"))[1] if impl == "ours" else _fsdp2_net(0)
+    builders = {"ours": lambda: build_ours(Config("net"))[1], "torch_fsdp1": lambda: quiet(build_torch_fsdp, Config("net")),
+                "fsdp2": lambda: _fsdp2_net(0)}
+    model = builders[impl]()
     optim = adam(model)
     train(model, optim, Config("net"), range(2))
-    if impl == "ours":
-        with quiet(FSDP.state_dict_type, model, fsdp_legacy.StateDictType.SHARDED_STATE_DICT):
-            dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=path)
+    if impl != "fsdp2":
+        _save_dcp((model_sd(model, LIBS[impl], SHARDED), osd(model, optim, LIBS[impl], SHARDED)), path)
     else:
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
                  checkpoint_id=path)
@@ -749,6 +754,12 @@ def _save_for_migration(impl: str, path: str) -> dict:
 def _load_for_migration(impl: str, path: str) -> dict:
     if impl == "ours":
         model, optim = _load_ours(False, path)
+    elif impl == "torch_fsdp1":
+        model = quiet(build_torch_fsdp, Config("net"), seed=123)
+        optim = adam(model)
+        model_state, optim_state = _load_dcp(model, optim, torch_fsdp, path, Config("net"))
+        load_model(model, torch_fsdp, SHARDED, model_state)
+        optim.load_state_dict(to_load(model, optim, torch_fsdp, SHARDED, optim_state))
     else:
         model = _fsdp2_net(123)
         optim = adam(model)
@@ -767,11 +778,14 @@ def _assert_same_state(actual: Any, expected: Any, what: str) -> None:
 
 @pytest.mark.parametrize(
     "save_impl,save_world,load_impl,load_world",
-    [("ours", 2, "fsdp2", 1), ("ours", 1, "fsdp2", 2), ("fsdp2", 2, "ours", 1), ("fsdp2", 1, "ours", 2)],
+    [("ours", 2, "fsdp2", 1), ("ours", 1, "fsdp2", 2), ("fsdp2", 2, "ours", 1), ("fsdp2", 1, "ours", 2),
+     ("torch_fsdp1", 2, "ours", 1), ("torch_fsdp1", 1, "ours", 2), ("ours", 2, "torch_fsdp1", 1),
+     ("ours", 1, "torch_fsdp1", 2)],
 )
 def test_migration_across_world_sizes(tmp_path, save_impl: str, save_world: int, load_impl: str, load_world: int):
-    """Model and Adam state move between fsdp_legacy and FSDP2 while the world size changes (2 -> 1, 1 -> 2): every
-    value of the full state after loading equals the full state that was saved."""
+    """Model and Adam state move between fsdp_legacy and FSDP2, and between torch's FSDP1 and fsdp_legacy, through
+    SHARDED DCP checkpoints while the world size changes (2 -> 1, 1 -> 2): every value of the full state after
+    loading equals the full state that was saved."""
     saved = run_on_ranks(_save_for_migration, save_world, save_impl, str(tmp_path))[0]
     for rank, loaded in enumerate(run_on_ranks(_load_for_migration, load_world, load_impl, str(tmp_path))):
         _assert_same_state(loaded, saved, f"{save_impl}@{save_world} -> {load_impl}@{load_world}, rank {rank}")
