@@ -19,7 +19,6 @@ from gpt import GPT, Block, GPTConfig  # noqa: E402
 from fsdp_legacy import FullyShardedDataParallel as FSDP  # noqa: E402
 from fsdp_legacy import MixedPrecision, ShardingStrategy  # noqa: E402
 from fsdp_legacy.memory import Category, MemoryTracker, Phase  # noqa: E402
-from fsdp_legacy.memory.fake_world import fake_process_group  # noqa: E402
 from fsdp_legacy.wrap import ModuleWrapPolicy  # noqa: E402
 from harness import run_on_ranks  # noqa: E402
 
@@ -182,13 +181,8 @@ def bounds(name: str, activations: dict[Phase, int]) -> dict[Phase, int]:
 
 
 def measured(name: str, leak: str = "") -> list[dict[Phase, int]]:
-    """Peaks per rank. bf16 runs in this process on the fake process group (real tensors, no communication): on gloo,
-    a worker thread may hold the low-precision copy of the shard fed to a completed all-gather until it is scheduled
-    again, a race that makes the measured peak depend on the machine's load. Our own allocations are the same."""
-    if name != "bf16":
-        return run_on_ranks(_measure, WORLD, name, leak)
-    with fake_process_group(WORLD):
-        return [_measure(name, leak)]
+    """Peaks per rank, measured on the gloo ranks."""
+    return run_on_ranks(_measure, WORLD, name, leak)
 
 
 @functools.cache
