@@ -73,8 +73,8 @@ class _Entry:
         return self.unit._handle if self.unit is not None else None
 
 
-def _entries(model: nn.Module, optim: torch.optim.Optimizer) -> list[tuple[int, _Entry]]:
-    """(optimizer group index, entry) of every optimizer parameter, in `optim.state_dict()` id order."""
+def entries_by_param(model: nn.Module) -> dict[nn.Parameter, _Entry]:
+    """Every parameter an optimizer of `model` can hold (flat or original) -> the original FQNs it stands for."""
     by_param: dict[nn.Parameter, _Entry] = {}
     for name, module in model.named_modules():
         if not isinstance(module, _fsdp.FullyShardedDataParallel) or module._handle is None:
@@ -88,6 +88,12 @@ def _entries(model: nn.Module, optim: torch.optim.Optimizer) -> list[tuple[int, 
             by_param[handle.flat_param] = _Entry(tuple(prefix + i.fqn for i in infos), infos, module)
     for name, param in model.named_parameters():  # ignored parameters, or ones outside every unit
         by_param.setdefault(param, _Entry((_clean(name),), ()))
+    return by_param
+
+
+def _entries(model: nn.Module, optim: torch.optim.Optimizer) -> list[tuple[int, _Entry]]:
+    """(optimizer group index, entry) of every optimizer parameter, in `optim.state_dict()` id order."""
+    by_param = entries_by_param(model)
     result = []
     for index, group in enumerate(optim.param_groups):
         for param in group["params"]:
