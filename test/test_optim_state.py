@@ -545,11 +545,8 @@ def _rekey_like_torch() -> None:
     """rekey_optim_state_dict against torch's: a FULL checkpoint to a plain model's ids and back, and a wrapped
     (use_orig_params=True) model's own id-keyed state to names."""
     config = Config("transformer", "FULL_SHARD", "block", True)
-    reference, ours = build_ours(config)
-    theirs = build_torch_fsdp(config)
-    ours_opt, theirs_opt = adam(ours), adam(theirs)
-    train(ours, ours_opt, config, range(2))
-    train(theirs, theirs_opt, config, range(2))
+    ours, ours_opt, theirs, theirs_opt = trained_pair(config)
+    reference = models.Transformer()  # a plain model of the same structure
     full = osd(ours, ours_opt, fsdp_legacy, FULL)
     by_name, by_id = fsdp_legacy.OptimStateKeyType.PARAM_NAME, fsdp_legacy.OptimStateKeyType.PARAM_ID
     torch_by_name, torch_by_id = torch_fsdp.OptimStateKeyType.PARAM_NAME, torch_fsdp.OptimStateKeyType.PARAM_ID
