@@ -71,16 +71,25 @@ class Evil:
 
 
 def test_every_torch_load_is_weights_only() -> None:
-    """No torch.load in the package or the tools without weights_only=True."""
-    offenders = []
+    """No torch.load in the package or the tools without weights_only=True, but the one that reads per-rank LOCAL
+    files, with the restricted pickle module of convert/loading.py (which allows only an explicit list of globals)."""
+    offenders, restricted = [], []
     for file in glob.glob(os.path.join(REPO, "fsdp_legacy", "**", "*.py"), recursive=True) + \
             glob.glob(os.path.join(REPO, "tools", "*.py")):
         for node in ast.walk(ast.parse(open(file).read())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
                 keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
-                if keywords.get("weights_only") != "True":
-                    offenders.append(f"{os.path.relpath(file, REPO)}:{node.lineno}")
+                where = f"{os.path.relpath(file, REPO)}:{node.lineno}"
+                if keywords.get("weights_only") == "True":
+                    continue
+                in_loading = os.path.relpath(file, REPO) == os.path.join("fsdp_legacy", "convert", "loading.py")
+                if in_loading and keywords.get("pickle_module") == "_RANK_FILE_PICKLE" and \
+                        keywords.get("weights_only") == "False":
+                    restricted.append(where)
+                else:
+                    offenders.append(where)
     assert offenders == []
+    assert len(restricted) == 1, restricted
     assert any("torch.load" in open(f).read() for f in glob.glob(os.path.join(REPO, "fsdp_legacy", "convert", "*.py")))
 
 
@@ -215,6 +224,71 @@ def test_pickled_code_is_refused(tmp_path) -> None:
                                               r"holds: unpickling it could run arbitrary code, so it is refused"):
         convert_checkpoint(str(tmp_path / "evil_dcp"), str(tmp_path / "out"), to="full")
     assert not os.path.exists(marker), "nothing was executed"
+
+
+class EvilGetattr:
+    """Unpickling this fetches ShardedTensor.__setstate__ through getattr (the route protocol 2 takes to
+    ShardedTensor.ProcessGroupState)."""
+
+    def __reduce__(self):
+        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+        return getattr, (ShardedTensor, "__setstate__")
+
+
+def test_pickled_code_in_per_rank_files_is_refused(tmp_path) -> None:
+    """A per-rank LOCAL file is loaded with a restricted unpickler (ShardedTensors cannot be loaded with
+    weights_only=True): any global outside its allowlist is refused before it is imported, and nothing runs."""
+    marker = str(tmp_path / "pwned")
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    # "ShardedTensor" in the pickle makes the directory's file look like a rank file
+    torch.save({"model": {"w": torch.zeros(2)}, "ShardedTensor": Evil(marker)}, ranks / "rank0.pt")
+    for source in (str(ranks), [str(ranks / "rank0.pt")]):
+        with pytest.raises(CheckpointError, match=r"rank0\.pt names (posix|os)\.system, which a per-rank LOCAL state "
+                                                  r"dict file never holds: refused: this loader never runs code from "
+                                                  r"a checkpoint"):
+            convert_checkpoint(source, str(tmp_path / "out.pt"), to="full")
+    torch.save({"model": {"w": EvilGetattr()}}, ranks / "rank0.pt")
+    with pytest.raises(CheckpointError, match=r"rank0\.pt names getattr\(ShardedTensor, '__setstate__'\).*refused: "
+                                              r"this loader never runs code"):
+        convert_checkpoint(str(ranks), str(tmp_path / "out.pt"), to="full")
+    assert not os.path.exists(marker), "nothing was executed"
+    assert not os.path.exists(tmp_path / "out.pt")
+
+
+def _save_rank_files(directory: str) -> None:
+    _, model = build_ours(Config("net"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            torch.save(model.state_dict(), os.path.join(directory, f"rank{torch.distributed.get_rank()}.pt"))
+
+
+def test_per_rank_files_missing_or_duplicated(tmp_path) -> None:
+    """The ranks of per-rank LOCAL files come from their ShardedTensors, not their names; every rank must be there
+    exactly once."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    run_on_ranks(_save_rank_files, 2, str(ranks))
+    convert_checkpoint(str(ranks), str(tmp_path / "ok.pt"), to="full")  # complete: converts
+
+    os.rename(ranks / "rank1.pt", ranks / "rank0_copy.pt")  # the name says nothing: rank 1's file still
+    convert_checkpoint(str(ranks), str(tmp_path / "renamed.pt"), to="full")
+    with open(ranks / "rank0.pt", "rb") as src, open(ranks / "rank1.pt", "wb") as dst:
+        dst.write(src.read())
+    with pytest.raises(CheckpointError, match=r"rank1\.pt and .*rank0\.pt are both rank 0's LOCAL state dict .*"
+                                              r"Pass exactly one file per rank"):
+        convert_checkpoint(str(ranks), str(tmp_path / "out.pt"), to="full")
+    os.remove(ranks / "rank1.pt")
+    os.remove(ranks / "rank0_copy.pt")
+    with pytest.raises(CheckpointError, match=r"ranks: the LOCAL state dict was saved by 2 ranks, but the file of "
+                                              r"rank\(s\) \[1\] is missing \(found ranks \[0\]: rank0\.pt\)\. "
+                                              r"Copy every rank's file"):
+        convert_checkpoint(str(ranks), str(tmp_path / "out.pt"), to="full")
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\] is missing"):  # one rank's file alone
+        convert_checkpoint(str(ranks / "rank0.pt"), str(tmp_path / "out.pt"), to="full")
+    assert not os.path.exists(tmp_path / "out.pt")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -63,9 +63,8 @@ def _load_local(config: Config, path: str) -> dict:
     return {"model": model_sd(model, fsdp_legacy, FULL), "optim": osd(model, optim, fsdp_legacy, FULL)}
 
 
-def _fsdp2_load(config: Config, path: str) -> dict:
-    """A fully_shard model (blocks, then the root) and Adam load a DCP checkpoint with torch's own helpers."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+def _fsdp2_model(config: Config) -> torch.nn.Module:
+    """A fully_shard model: the blocks, then the root."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(1)
@@ -74,11 +73,43 @@ def _fsdp2_load(config: Config, path: str) -> dict:
         if isinstance(module, MODELS[config.model][2]["block"]):
             fully_shard(module)
     fully_shard(model)
+    return model
+
+
+def _fsdp2_load(config: Config, path: str) -> dict:
+    """A fully_shard model and Adam load a DCP checkpoint with torch's own helpers."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    model = _fsdp2_model(config)
     optim = adam(model)
     load_into_fsdp2(model, optim, path)
     full = StateDictOptions(full_state_dict=True)
     return {"model": get_model_state_dict(model, options=full),
             "optim": get_optimizer_state_dict(model, optim, options=full)}
+
+
+def _save_rank_files(config: Config, directory: str, impl: str = "ours") -> dict:
+    """Train (ours or torch's FSDP1), then the common FSDP1 way of saving LOCAL checkpoints: one torch.save file of
+    the LOCAL model state dict per rank, named here against the rank so that names cannot be what identifies it;
+    return the FULL model state dict, the oracle."""
+    lib = fsdp_legacy if impl == "ours" else torch_fsdp
+    model = build_ours(config)[1] if impl == "ours" else build_torch_fsdp(config)
+    optim = adam(model)
+    train(model, optim, config, range(2))
+    name = f"shard-{dist.get_world_size() - 1 - dist.get_rank()}.pt"
+    torch.save(model_sd(model, lib, LOCAL), os.path.join(directory, name))
+    return model_sd(model, lib, FULL)
+
+
+def _fsdp2_load_model(config: Config, path: str) -> dict:
+    """A fully_shard model loads the model section of a DCP checkpoint; its FULL state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    model = _fsdp2_model(config)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -191,6 +222,49 @@ def test_torch_fsdp1_local_checkpoint_needs_a_layout(tmp_path) -> None:
     stored = torch.load(tmp_path / "full.pt", weights_only=True)
     assert_same(stored["model"], expected["model"], "torch FSDP1 LOCAL -> full, model")
     assert_same(stored["optim"], expected["optim"], "torch FSDP1 LOCAL -> full, optimizer")
+
+
+def test_torch_fsdp1_per_rank_local_files(tmp_path) -> None:
+    """torch's FSDP1 saves one torch.save file of its LOCAL state dict per rank (ShardedTensors, no layout records):
+    with the layout of our LOCAL checkpoint of the same model and wrapping (saved at another world size), the
+    directory converts to exactly torch's FULL model state dict, with no process group; without it, the error says
+    so."""
+    config = Config("transformer", use_orig_params=True)
+    theirs, ours = tmp_path / "torch_ranks", str(tmp_path / "ours_local")
+    theirs.mkdir()
+    expected = run_on_ranks(_save_rank_files, 2, config, str(theirs), "torch")[0]
+    run_on_ranks(_save_local, 4, config, ours)
+    assert not dist.is_initialized()
+    with pytest.raises(CheckpointError, match=r"model\.blocks\.0\._flat_param in .*torch_ranks is a flat parameter "
+                                              r"without a layout record.*--layout-from"):
+        convert_checkpoint(str(theirs), str(tmp_path / "full.pt"), to="full")
+    report = convert_checkpoint(str(theirs), str(tmp_path / "full.pt"), to="full", layout_from=ours)
+    assert report.source_format == "local" and report.verified == report.tensors > 0
+    stored = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert_same(stored["model"], expected, "torch FSDP1 per-rank LOCAL files -> full")
+    # a glob and a list of the files name the same checkpoint
+    convert_checkpoint(str(theirs / "shard-*.pt"), str(tmp_path / "glob.pt"), to="full", layout_from=ours)
+    convert_checkpoint(sorted(str(f) for f in theirs.iterdir()), str(tmp_path / "list.pt"), to="full",
+                       layout_from=ours)
+    for other in ("glob.pt", "list.pt"):
+        assert_same(torch.load(tmp_path / other, weights_only=True)["model"], expected, other)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_our_per_rank_local_files(tmp_path, config: Config) -> None:
+    """Our per-rank torch.save LOCAL files (with layout records) convert by themselves: to full, equal to our FULL
+    state dict; and through the command line to DCP, which a fully_shard model loads at 1 rank."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    expected = run_on_ranks(_save_rank_files, 2, config, str(ranks))[0]
+    convert_checkpoint(str(ranks), str(tmp_path / "full.pt"), to="full")
+    assert_same(torch.load(tmp_path / "full.pt", weights_only=True)["model"], expected, "per-rank files -> full")
+
+    command = [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), str(ranks),
+               str(tmp_path / "dcp"), "--to", "dcp", "--quiet"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
+    assert done.returncode == 0 and "(local) -> " in done.stdout, done.stderr
+    assert_same(run_on_ranks(_fsdp2_load_model, 1, config, str(tmp_path / "dcp"))[0], expected, "FSDP2 at 1 rank")
 
 
 def test_full_file_loads_into_the_plain_model(tmp_path) -> None:

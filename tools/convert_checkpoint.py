@@ -6,12 +6,14 @@
 
 Formats (the source's is detected):
   local  a DCP directory of {"model": LOCAL_STATE_DICT, "optim": FSDP.optim_state_dict(...)} saved by fsdp_legacy
-         (its flat parameters carry layout records), at any world size
+         (its flat parameters carry layout records), at any world size; or (as a source) one torch.save file of the
+         LOCAL model state dict per rank, by torch's FSDP1 or fsdp_legacy: their directory or a quoted glob pattern
   dcp    a DCP directory with every parameter under its FQN, as FSDP2 (fully_shard) saves and loads it
   full   one torch.save file {"model": {fqn: tensor}, "optim": {"state": ..., "param_groups": ...}}
 
 Tensors are converted one at a time, the destination is replaced atomically, and what was written is read back and
-compared with the source bit for bit. Every file is loaded with weights_only=True.
+compared with the source bit for bit. Every file is loaded with weights_only=True, but per-rank LOCAL files, whose
+ShardedTensors are unpickled with an allowlist of torch's tensor classes (no code from the file runs).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from fsdp_legacy.convert import FORMATS, CheckpointError, convert_checkpoint
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="checkpoint to convert: a DCP directory or a torch.save file")
+    p.add_argument("source", help="checkpoint to convert: a DCP directory, a torch.save file, or per-rank "
+                                   "LOCAL torch.save files (their directory or a glob pattern)")
     p.add_argument("destination", help="where to write the converted checkpoint")
     p.add_argument("--to", required=True, choices=FORMATS, help="target format")
     p.add_argument("--world-size", type=int, help="--to local: the world size to lay flat parameters out for "

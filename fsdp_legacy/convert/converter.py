@@ -1,7 +1,8 @@
 """Offline conversion between the three checkpoint formats, on the CPU, without a process group or the model's code:
 
 * "local": a DCP directory of {"model": LOCAL_STATE_DICT, "optim": optim_state_dict} (flat parameters with their
-  layout records), one chunk per rank of the world size it is laid out for;
+  layout records), one chunk per rank of the world size it is laid out for; read also from per-rank torch.save
+  files of a LOCAL model state dict (rank_files.py);
 * "dcp": a DCP directory in FSDP2's layout, every original parameter under its FQN (fully_shard models load it
   with dcp.load at any world size);
 * "full": one torch.save file {"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]}}.
@@ -10,10 +11,11 @@ The optimizer state is keyed by FQN in all three, so it is copied as it is. Tens
 was written is read back and compared with the source bit for bit.
 """
 
+import glob
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -21,6 +23,7 @@ from .checkpoint import Checkpoint, Path, TensorMeta, dotted
 from .dcp_files import DcpCheckpoint, is_dcp, write_dcp
 from .errors import CheckpointError
 from .flat import Flattened, Unflattened, is_local, records_in
+from .rank_files import RankFiles, rank_files_in
 from .record import FlatParamRecord
 from .torch_file import TorchFile, write_torch_file
 
@@ -47,15 +50,25 @@ class ConversionReport:
                 f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB{check}, {self.seconds:.1f} s")
 
 
-def open_checkpoint(path: str) -> Checkpoint:
-    """A DCP directory or a torch.save file, as it is stored."""
+def open_checkpoint(path: Union[str, Sequence[str]]) -> Checkpoint:
+    """A DCP directory, a torch.save file, or the per-rank torch.save files of a LOCAL state dict (a directory of
+    them, a glob pattern, or a list of paths), as it is stored."""
+    if not isinstance(path, str):
+        files = list(path)
+        return RankFiles(files, os.path.commonpath([os.path.abspath(f) for f in files]) if files else "[]")
     if is_dcp(path):
         return DcpCheckpoint(path)
+    files = rank_files_in(path)
+    if files:
+        return RankFiles(files, path)
     if os.path.isfile(path):
         return TorchFile(path)
     if os.path.isdir(path):
-        raise CheckpointError(f"{path} is a directory without a DCP .metadata file: the save did not finish, or this "
-                              "is not a checkpoint. Pass a DCP checkpoint directory or a torch.save file.")
+        raise CheckpointError(f"{path} is a directory without a DCP .metadata file or per-rank torch.save files of a "
+                              "LOCAL state dict: the save did not finish, or this is not a checkpoint. Pass a DCP "
+                              "checkpoint directory, a torch.save file, or the directory of every rank's file.")
+    if glob.has_magic(path):
+        raise CheckpointError(f"{path} matches no files: pass a pattern that matches every rank's file.")
     raise CheckpointError(f"{path} does not exist.")
 
 
@@ -66,7 +79,7 @@ def format_of(checkpoint: Checkpoint) -> str:
 
 
 def convert_checkpoint(
-    source: str,
+    source: Union[str, Sequence[str]],
     destination: str,
     to: str,
     world_size: Optional[int] = None,
@@ -74,15 +87,16 @@ def convert_checkpoint(
     verify: bool = True,
     progress: Optional[Progress] = None,
 ) -> ConversionReport:
-    """Convert the checkpoint at `source` (any of the three formats, detected) to format `to` at `destination`,
-    atomically. `to="local"` lays the flat parameters out for `world_size` (default: the world size of the layout),
+    """Convert the checkpoint at `source` (any of the three formats, detected; a LOCAL one also as per-rank
+    torch.save files: their directory, a glob pattern or a list) to format `to` at `destination`, atomically.
+    `to="local"` lays the flat parameters out for `world_size` (default: the world size of the layout),
     with the layout carried by the source or read from `layout_from` (a checkpoint of the same model and wrapping,
     also what reads LOCAL checkpoints saved without layout records, by torch's FSDP1)."""
     if to not in FORMATS:
         raise CheckpointError(f"Unknown target format {to!r}: choose one of {', '.join(FORMATS)}.")
     if world_size is not None and (to != "local" or world_size < 1):
         raise CheckpointError("world_size applies to --to local only, and must be at least 1.")
-    if os.path.abspath(source) == os.path.abspath(destination):
+    if isinstance(source, str) and os.path.abspath(source) == os.path.abspath(destination):
         raise CheckpointError(f"{destination} is the source: write the conversion to another path.")
     start = time.perf_counter()
     progress = progress or (lambda *_: None)
@@ -109,7 +123,7 @@ def convert_checkpoint(
             write_dcp(target, destination, chunks, on_tensor)
         verified = verify_conversion(target, destination, progress) if verify else 0
         tensors = sum(1 for _ in target.tensors())
-    return ConversionReport(source, destination, source_format, to, tensors, total, verified,
+    return ConversionReport(stored.location, destination, source_format, to, tensors, total, verified,
                             time.perf_counter() - start)
 
 

@@ -36,7 +36,7 @@ from .atomic import atomic_directory
 from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, unflatten
 from .errors import CheckpointError
 from .integrity import check_archive
-from .loading import safe_load
+from .loading import Refused, RestrictedUnpickler, safe_load
 
 METADATA_FILE = ".metadata"
 
@@ -54,17 +54,8 @@ _METADATA_CLASSES = {
 }
 
 
-class _Refused(pickle.UnpicklingError):
-    pass
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_CLASSES.get(module, ()) or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise _Refused(f"{module}.{name}")
+class _MetadataUnpickler(RestrictedUnpickler):
+    allowed = _METADATA_CLASSES
 
 
 def is_dcp(path: str) -> bool:
@@ -170,7 +161,7 @@ def _read_metadata(file: str) -> Metadata:
     try:
         with open(file, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
-    except _Refused as refused:
+    except Refused as refused:
         raise CheckpointError(
             f"{file} refers to {refused}, which DCP metadata never holds: unpickling it could run arbitrary code, so "
             "it is refused. Use a checkpoint from a trusted source."

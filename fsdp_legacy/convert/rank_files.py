@@ -1,0 +1,173 @@
+"""Per-rank torch.save files of a LOCAL state dict as one "local" checkpoint, read with no process group:
+
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        torch.save(model.state_dict(), f"ckpt/rank{rank}.pt")   # torch's FSDP1 or fsdp_legacy's
+
+Each flat parameter is a ShardedTensor, loaded as its local pieces by loading.load_rank_file (a restricted
+unpickler: no ShardedTensor.__setstate__, no process group, no code from the file). A file's rank and world size
+come from the ShardedTensors' pickled process-group state, never from its name; every rank 0..W-1 must be there
+once. The flat parameters are assembled from every rank's pieces (stored as chunks, as DCP stores them); every other
+leaf (buffers, layout records, use_orig_params' per-rank views) is rank 0's.
+"""
+
+import glob
+import os
+import zipfile
+from typing import Any, Mapping, Sequence, Union
+
+import torch
+
+from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, flatten
+from .errors import CheckpointError
+from .integrity import check_archive
+from .loading import LocalShards, load_rank_file
+
+
+def is_rank_file(path: str) -> bool:
+    """Whether `path` is a torch.save archive whose pickle names ShardedTensor (read as bytes, nothing unpickled)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
+            return len(pickles) == 1 and b"ShardedTensor" in archive.read(pickles[0])
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return False
+
+
+def rank_files_in(source: Union[str, Sequence[str]]) -> list[str]:
+    """The per-rank files a source names: a list of files, a glob pattern, a directory (its rank files), or one
+    file. Empty when it names none."""
+    if not isinstance(source, str):
+        return list(source)
+    if os.path.isdir(source):
+        names = sorted(os.path.join(source, n) for n in os.listdir(source) if not n.startswith("."))
+        return [n for n in names if os.path.isfile(n) and is_rank_file(n)]
+    if os.path.isfile(source):
+        return [source] if is_rank_file(source) else []
+    if glob.has_magic(source):
+        return sorted(n for n in glob.glob(source) if os.path.isfile(n))
+    return []
+
+
+class RankFiles(Checkpoint):
+    def __init__(self, files: Sequence[str], location: str) -> None:
+        self.location = location
+        if not files:
+            raise CheckpointError(f"{location} names no per-rank files of a LOCAL state dict.")
+        by_rank: dict[int, tuple[str, dict[Path, Any]]] = {}
+        world_sizes: dict[int, str] = {}
+        for file in files:
+            leaves, rank, world_size = self._open(file)
+            if rank in by_rank:
+                raise CheckpointError(
+                    f"{file} and {by_rank[rank][0]} are both rank {rank}'s LOCAL state dict (by the ShardedTensors "
+                    "they hold, whatever their names): the set of files mixes saves or holds a copy. Pass exactly one "
+                    "file per rank of one save."
+                )
+            by_rank[rank] = (file, leaves)
+            world_sizes.setdefault(world_size, file)
+        if len(world_sizes) > 1:
+            described = ", ".join(f"{w} ({f})" for w, f in sorted(world_sizes.items()))
+            raise CheckpointError(f"{location}: the per-rank files were saved at different world sizes: {described}. "
+                                  "Pass the files of one save.")
+        world_size = next(iter(world_sizes))
+        missing = sorted(set(range(world_size)) - set(by_rank))
+        if missing:
+            raise CheckpointError(
+                f"{location}: the LOCAL state dict was saved by {world_size} ranks, but the file of rank(s) "
+                f"{missing} is missing (found ranks {sorted(by_rank)}: "
+                f"{', '.join(os.path.basename(by_rank[r][0]) for r in sorted(by_rank))}). Copy every rank's file, and "
+                "pass their directory, a glob pattern or the list of them."
+            )
+        first_file, first = by_rank[0]
+        for rank, (file, leaves) in sorted(by_rank.items()):
+            sharded = {p for p, v in leaves.items() if isinstance(v, LocalShards)}
+            if sharded != {p for p, v in first.items() if isinstance(v, LocalShards)} or leaves.keys() != first.keys():
+                different = sorted(dotted(p) for p in leaves.keys() ^ first.keys()) or sorted(
+                    dotted(p) for p in sharded ^ {q for q, v in first.items() if isinstance(v, LocalShards)})
+                raise CheckpointError(f"{file} (rank {rank}) and {first_file} (rank 0) do not hold the same keys "
+                                      f"({different}): they are not from one save. Pass the files of one save.")
+        self.leaves, self._plain, self._pieces = {}, {}, {}
+        for path, leaf in first.items():
+            if isinstance(leaf, LocalShards):
+                self._pieces[path] = self._assemble(path, [(by_rank[r][0], by_rank[r][1][path]) for r in by_rank])
+                self.leaves[path] = TensorMeta(leaf.shape, leaf.dtype)
+            elif isinstance(leaf, torch.Tensor):
+                self._plain[path] = leaf
+                self.leaves[path] = TensorMeta.of(leaf)
+            else:
+                self.leaves[path] = leaf
+
+    def _open(self, file: str) -> tuple[dict[Path, Any], int, int]:
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file} does not exist: pass the per-rank files of a LOCAL state dict.")
+        with open(file, "rb") as handle:
+            check_archive(handle, file)
+        tree = load_rank_file(file)
+        if not isinstance(tree, Mapping):
+            raise CheckpointError(f"{file} holds a {type(tree).__name__}, not a LOCAL state dict.")
+        if "model" not in tree:
+            tree = {"model": tree}  # torch.save(model.state_dict())
+        leaves = flatten(tree, file)
+        for path, value in leaves.items():
+            if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter):
+                raise CheckpointError(f"{file}: {dotted(path)} is a {type(value).__name__}; a LOCAL state dict holds "
+                                      "plain tensors and ShardedTensors.")
+        groups = {(v.rank, v.world_size) for v in leaves.values() if isinstance(v, LocalShards)}
+        if not groups:
+            raise CheckpointError(f"{file} holds no ShardedTensor, so it is not one rank's LOCAL state dict; pass "
+                                  "the per-rank files saved under LOCAL_STATE_DICT (a full file converts by itself).")
+        if len(groups) > 1:
+            raise CheckpointError(f"{file} holds ShardedTensors saved by different ranks or world sizes "
+                                  f"{sorted(groups)}: it was edited or assembled from several saves.")
+        rank, world_size = groups.pop()
+        if not 0 <= rank < world_size:
+            raise CheckpointError(f"{file} says it was saved by rank {rank} of {world_size}: the file is damaged.")
+        return leaves, rank, world_size
+
+    def _assemble(self, path: Path, saved: list[tuple[str, LocalShards]]) -> list[tuple[Chunk, torch.Tensor]]:
+        """Every rank's pieces of a ShardedTensor: the same global shape and dtype everywhere, together covering
+        it once (a piece saved by several ranks, as replicas do, counts once)."""
+        _, first = saved[0]
+        pieces: dict[Chunk, torch.Tensor] = {}
+        for file, shards in saved:
+            if (shards.shape, shards.dtype) != (first.shape, first.dtype):
+                raise CheckpointError(
+                    f"{dotted(path)} in {file} is a {tuple(shards.shape)} {shards.dtype} tensor but "
+                    f"{tuple(first.shape)} {first.dtype} in {saved[0][0]}: the files are not from one save."
+                )
+            for offsets, tensor in shards.pieces:
+                if tensor.numel() == 0:
+                    continue  # a rank with nothing of it (torch saves none; DCP records none)
+                if len(offsets) != len(first.shape) or any(
+                        o < 0 or o + s > n for o, s, n in zip(offsets, tensor.shape, first.shape)):
+                    raise CheckpointError(f"{dotted(path)} in {file}: a piece at {offsets} of shape "
+                                          f"{tuple(tensor.shape)} lies outside its {tuple(first.shape)} tensor: the "
+                                          "file is damaged.")
+                pieces.setdefault((offsets, tuple(tensor.shape)), tensor)
+        covered = sum(torch.Size(sizes).numel() for _, sizes in pieces)
+        if covered != first.shape.numel():
+            raise CheckpointError(f"{dotted(path)} in {self.location}: the ranks' pieces cover {covered} of its "
+                                  f"{first.shape.numel()} elements: the files are not from one save, or damaged.")
+        return sorted(pieces.items())
+
+    def read(self, path: Path) -> torch.Tensor:
+        if path in self._plain:
+            return self._plain[path]
+        meta = self.leaves[path]
+        out = torch.empty(meta.shape, dtype=meta.dtype)
+        for (offsets, sizes), tensor in self._pieces[path]:
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].copy_(tensor)
+        return out
+
+    def read_flat(self, path: Path, start: int, stop: int) -> torch.Tensor:
+        if path not in self._pieces or len(self.leaves[path].shape) != 1:
+            return super().read_flat(path, start, stop)
+        out = torch.empty(stop - start, dtype=self.leaves[path].dtype)
+        for ((offset,), (size,)), tensor in self._pieces[path]:
+            lo, hi = max(start, offset), min(stop, offset + size)
+            if lo < hi:
+                out[lo - start : hi - start].copy_(tensor[lo - offset : hi - offset])
+        return out
+
+    def chunks(self, path: Path) -> Union[list[Chunk], None]:
+        return [chunk for chunk, _ in self._pieces[path]] if path in self._pieces else None
