@@ -272,6 +272,10 @@ def test_per_rank_files_missing_or_duplicated(tmp_path) -> None:
     ranks.mkdir()
     run_on_ranks(_save_rank_files, 2, str(ranks))
     convert_checkpoint(str(ranks), str(tmp_path / "ok.pt"), to="full")  # complete: converts
+    with pytest.MonkeyPatch.context() as patch:  # torch then refuses any pickle module: say which switch to flip
+        patch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+        with pytest.raises(CheckpointError, match=r"TORCH_FORCE_WEIGHTS_ONLY_LOAD is set .* unset it"):
+            convert_checkpoint(str(ranks), str(tmp_path / "forced.pt"), to="full")
 
     os.rename(ranks / "rank1.pt", ranks / "rank0_copy.pt")  # the name says nothing: rank 1's file still
     convert_checkpoint(str(ranks), str(tmp_path / "renamed.pt"), to="full")

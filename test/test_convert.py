@@ -88,15 +88,20 @@ def _fsdp2_load(config: Config, path: str) -> dict:
             "optim": get_optimizer_state_dict(model, optim, options=full)}
 
 
-def _save_rank_files(config: Config, directory: str, impl: str = "ours") -> dict:
+def _save_rank_files(config: Config, directory: str, impl: str = "ours", with_optim: bool = False) -> dict:
     """Train (ours or torch's FSDP1), then the common FSDP1 way of saving LOCAL checkpoints: one torch.save file of
-    the LOCAL model state dict per rank, named here against the rank so that names cannot be what identifies it;
-    return the FULL model state dict, the oracle."""
+    the LOCAL model state dict (with `with_optim`: {"model": ..., "optim": LOCAL optim_state_dict}) per rank, named
+    here against the rank so that names cannot be what identifies it; return the FULL model state dict (and FULL
+    optimizer state dict), the oracle."""
     lib = fsdp_legacy if impl == "ours" else torch_fsdp
     model = build_ours(config)[1] if impl == "ours" else build_torch_fsdp(config)
     optim = adam(model)
     train(model, optim, config, range(2))
     name = f"shard-{dist.get_world_size() - 1 - dist.get_rank()}.pt"
+    if with_optim:
+        torch.save({"model": model_sd(model, lib, LOCAL), "optim": osd(model, optim, lib, LOCAL)},
+                   os.path.join(directory, name))
+        return {"model": model_sd(model, lib, FULL), "optim": osd(model, optim, lib, FULL)}
     torch.save(model_sd(model, lib, LOCAL), os.path.join(directory, name))
     return model_sd(model, lib, FULL)
 
@@ -265,6 +270,18 @@ def test_our_per_rank_local_files(tmp_path, config: Config) -> None:
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
     assert done.returncode == 0 and "(local) -> " in done.stdout, done.stderr
     assert_same(run_on_ranks(_fsdp2_load_model, 1, config, str(tmp_path / "dcp"))[0], expected, "FSDP2 at 1 rank")
+
+
+def test_our_per_rank_files_with_optimizer_state(tmp_path) -> None:
+    """Per-rank files of {"model": LOCAL, "optim": optim_state_dict under LOCAL} (ShardedTensor chunks of every
+    optimizer state): the optimizer state is assembled from all ranks too, equal to the FULL optim_state_dict."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    expected = run_on_ranks(_save_rank_files, 2, Config("transformer"), str(ranks), "ours", True)[0]
+    convert_checkpoint(str(ranks), str(tmp_path / "full.pt"), to="full")
+    stored = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert_same(stored["model"], expected["model"], "per-rank files -> full, model")
+    assert_same(stored["optim"], expected["optim"], "per-rank files -> full, optimizer")
 
 
 def test_full_file_loads_into_the_plain_model(tmp_path) -> None:

@@ -2,6 +2,7 @@
 that allow an explicit list of globals (DCP's `.metadata`, and per-rank torch.save files of LOCAL state dicts, whose
 ShardedTensors weights_only refuses). Errors name the file and say what to do."""
 
+import os
 import pickle
 import types
 from dataclasses import dataclass
@@ -198,6 +199,12 @@ def load_rank_file(path: str) -> Any:
     storages to dtype holders) and maps ShardedTensor, its rebuild and its state classes to inert stand-ins
     (no ShardedTensor.__setstate__, no process group). Any other global is refused before it is imported.
     """
+    if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):  # torch's values
+        raise CheckpointError(
+            f"{path} is a per-rank LOCAL state dict file, which holds ShardedTensors and is read with a restricted "
+            "pickle module, but TORCH_FORCE_WEIGHTS_ONLY_LOAD is set and makes torch refuse any pickle module: unset "
+            "it for this conversion (the restricted loader still runs no code from the file)."
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_RANK_FILE_PICKLE, mmap=True)
     except Refused as refused:
