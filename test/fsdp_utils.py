@@ -157,6 +157,19 @@ def assert_same_params(ours: nn.Module, reference: nn.Module, what: str = "") ->
         assert_close(full[name], param.detach(), f"{what}{name}")
 
 
+def train_net_with_ddp(ours: nn.Module, reference: nn.Module, steps: int = 2) -> None:
+    """SGD steps on models.Net batches, for our FSDP model and for DDP over the plain `reference` alike."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(reference)
+    for model in (ours, ddp):
+        opt = optimizer(model)
+        for step in range(steps):
+            loss_of(model(models.Net.batch(step + dist.get_rank()))).backward()
+            opt.step()
+            opt.zero_grad()
+
+
 def train(model: nn.Module, config: Config, step_fn: Optional[Callable[[int], None]] = None) -> list[float]:
     """SGD-with-momentum steps on per-rank data; `step_fn(step)` runs after each backward, before the step."""
     opt = optimizer(model)

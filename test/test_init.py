@@ -7,12 +7,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.wrap import ModuleWrapPolicy
-from fsdp_utils import assert_close, assert_same_params, full_params, loss_of, optimizer
+from fsdp_utils import assert_close, assert_same_params, full_params, loss_of, optimizer, train_net_with_ddp
 from harness import run_on_ranks
 
 
@@ -72,13 +71,7 @@ def _meta_init(use_param_init_fn: bool) -> None:
         ours = FSDP(meta, auto_wrap_policy=ModuleWrapPolicy({models.Block}))
         ours.buf.copy_(reference.buf)  # buffers have no reset_parameters: to_empty leaves them uninitialised
     assert_same_params(ours, reference)
-    ddp = DDP(reference)
-    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
-    for step in range(2):
-        for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
-            loss_of(model(models.Net.batch(step + dist.get_rank()))).backward()
-            opt.step()
-            opt.zero_grad()
+    train_net_with_ddp(ours, reference)
     full = full_params(ours)
     for name, param in reference.named_parameters():
         assert_close(full[name], param.detach(), f"{name} after training")

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.wrap import ModuleWrapPolicy
-from fsdp_utils import Config, assert_close, assert_same_params, build_ours, build_torch_fsdp, full_params, loss_of, optimizer
+from fsdp_utils import Config, assert_close, assert_same_params, build_ours, build_torch_fsdp, full_params, loss_of, optimizer, train_net_with_ddp
 from harness import run_on_ranks
 
 STRATEGIES_X_UOP = [(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for u in (False, True)]
@@ -296,13 +296,7 @@ def _user_hooks_and_device_id() -> None:
         model.block.fc1.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
         model.block.fc2.register_forward_hook(lambda m, args, out: out + 1)
     ours.module.l2.register_forward_hook(lambda m, args, out: seen.append(tuple(m.weight.shape)))
-    ddp = DDP(reference)
-    our_opt, ddp_opt = optimizer(ours), optimizer(ddp)
-    for step in range(2):
-        for model, opt in ((ours, our_opt), (ddp, ddp_opt)):
-            loss_of(model(models.Net.batch(step + dist.get_rank()))).backward()
-            opt.step()
-            opt.zero_grad()
+    train_net_with_ddp(ours, reference)
     assert seen == [(2, 3), (2, 3)], "hooks see the unsharded parameters"
     assert_same_params(ours, reference)
 
