@@ -1,8 +1,8 @@
 """fsdp_legacy: an independent, drop-in implementation of PyTorch's FSDP1 API (FullyShardedDataParallel).
 
-    from fsdp_legacy import FullyShardedDataParallel as FSDP
-    from fsdp_legacy.wrap import ModuleWrapPolicy
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy.wrap import ModuleWrapPolicy
+model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
 """
 
 from .api import (

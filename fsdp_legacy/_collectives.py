@@ -5,7 +5,7 @@ so communication overlaps compute; on NCCL it runs on NCCL's internal stream, an
 stream wait for it (tensors handed to an async NCCL op are kept alive by c10d until it completes).
 """
 
-from typing import Optional
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,12 @@ import torch.distributed as dist
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Waitable(Protocol):
+    """What a collective returns: a c10d Work, or one of the stand-ins below."""
+
+    def wait(self) -> bool: ...
 
 
 class _Done:
@@ -25,12 +31,12 @@ class _Done:
 DONE = _Done()
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Waitable:
     """Gather equal 1-D shards of every rank into `output` (world_size * shard.numel() elements)."""
     return _all_gather_single(output, shard, group=group, async_op=True)
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> Waitable:
     """Sum `full` (world_size * output.numel() elements) across ranks; rank r keeps chunk r in `output`.
 
     `full` is consumed: its contents are undefined afterwards.
@@ -46,7 +52,7 @@ class _AllReduceThenSlice:
 
     def __init__(self, output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup):
         self._output, self._full, self._rank = output, full, group.rank()
-        self._work: Optional[dist.Work] = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        self._work: dist.Work | None = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def wait(self) -> bool:
         if self._work is not None:
@@ -56,7 +62,7 @@ class _AllReduceThenSlice:
         return True
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Waitable:
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 

@@ -1,8 +1,8 @@
 """Public enums and configuration dataclasses, with torch FSDP1's names, values and defaults."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Optional, Sequence
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -63,9 +63,9 @@ class OptimStateKeyType(Enum):
 class MixedPrecision:
     """Dtypes for compute (param_dtype), gradient reduction (reduce_dtype) and buffers (buffer_dtype)."""
 
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-    buffer_dtype: Optional[torch.dtype] = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True

@@ -13,12 +13,13 @@ import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.distributed_c10d import _get_default_group
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .api import (
@@ -30,9 +31,10 @@ from .api import (
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from .optim_state import entries_by_param
-from .state_dict import _clean, _collective_device
+from .state_dict import _clean
+from .state_dict_loading import _collective_device
 
-Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
+Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
 # torch's own warning texts, so filters written for torch's helpers catch ours too.
 _SUBMODULES_DEPRECATED = (
@@ -46,7 +48,7 @@ _MODULE_KEYS_DEPRECATED = (
 
 
 def get_model_state_dict(
-    model: nn.Module, *, submodules: Optional[set[nn.Module]] = None, options: Optional[StateDictOptions] = None
+    model: nn.Module, *, submodules: set[nn.Module] | None = None, options: StateDictOptions | None = None
 ) -> dict[str, Any]:
     options = _verify_options(options, submodules)
     state = _get_model(model, options, submodules)
@@ -55,7 +57,7 @@ def get_model_state_dict(
 
 
 def set_model_state_dict(
-    model: nn.Module, model_state_dict: dict[Any, Any], *, options: Optional[StateDictOptions] = None
+    model: nn.Module, model_state_dict: dict[Any, Any], *, options: StateDictOptions | None = None
 ) -> Any:
     model_state_dict = _keyed_by_name(model, model_state_dict)
     options = _verify_options(options)
@@ -67,8 +69,8 @@ def get_optimizer_state_dict(
     model: nn.Module,
     optimizers: Optimizers,
     *,
-    submodules: Optional[set[nn.Module]] = None,
-    options: Optional[StateDictOptions] = None,
+    submodules: set[nn.Module] | None = None,
+    options: StateDictOptions | None = None,
 ) -> dict[str, Any]:
     options = _verify_options(options, submodules)  # submodules filter nothing here, as in torch
     state = _get_optim(model, _as_tuple(optimizers), options)
@@ -77,7 +79,11 @@ def get_optimizer_state_dict(
 
 
 def set_optimizer_state_dict(
-    model: nn.Module, optimizers: Optimizers, optim_state_dict: dict[str, Any], *, options: Optional[StateDictOptions] = None
+    model: nn.Module,
+    optimizers: Optimizers,
+    optim_state_dict: dict[str, Any],
+    *,
+    options: StateDictOptions | None = None,
 ) -> None:
     options = _verify_options(options)
     _verify_not_empty(options, optim_sd=optim_state_dict)
@@ -88,8 +94,8 @@ def get_state_dict(
     model: nn.Module,
     optimizers: Optimizers,
     *,
-    submodules: Optional[set[nn.Module]] = None,
-    options: Optional[StateDictOptions] = None,
+    submodules: set[nn.Module] | None = None,
+    options: StateDictOptions | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     options = _verify_options(options, submodules)
     model_sd = _get_model(model, options, submodules)
@@ -104,7 +110,7 @@ def set_state_dict(
     *,
     model_state_dict: dict[Any, Any],
     optim_state_dict: dict[str, Any],
-    options: Optional[StateDictOptions] = None,
+    options: StateDictOptions | None = None,
 ) -> Any:
     model_state_dict = _keyed_by_name(model, model_state_dict)
     options = _verify_options(options)
@@ -118,13 +124,15 @@ def set_state_dict(
 
 
 @torch.no_grad()
-def _get_model(model: nn.Module, options: StateDictOptions, submodules: Optional[set[nn.Module]]) -> dict[str, Any]:
+def _get_model(model: nn.Module, options: StateDictOptions, submodules: set[nn.Module] | None) -> dict[str, Any]:
     with _state_dict_type(model, options):
         state = model.state_dict()
     if submodules:
         prefixes = [_clean(f"{name}.") for name, module in model.named_modules() if module in submodules]
         keep = options.keep_submodule_prefixes
-        state = {key if keep else key[len(p) :]: value for key, value in state.items() for p in prefixes if key.startswith(p)}
+        state = {
+            key if keep else key[len(p) :]: value for key, value in state.items() for p in prefixes if key.startswith(p)
+        }
     if options.ignore_frozen_params:
         for param, entry in entries_by_param(model).items():
             if not param.requires_grad:
@@ -163,15 +171,25 @@ def _broadcast_from_rank0(state: dict[str, Any], cpu_offload: bool) -> dict[str,
     """Rank 0's full state dict on every rank: names, scalars and shapes first, then one tensor at a time (as
     torch's helper does, so that no rank needs a second copy of the whole dict in flight)."""
     is_src = dist.get_rank() == 0
-    meta = {k: _TensorMeta(v.shape, v.dtype) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-            for k, v in state.items()} if is_src else None
+    meta = (
+        {
+            k: _TensorMeta(v.shape, v.dtype) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            for k, v in state.items()
+        }
+        if is_src
+        else None
+    )
     holder = [meta]
     dist.broadcast_object_list(holder, src=0)
-    device = _collective_device(dist.group.WORLD)
+    received = holder[0]
+    assert received is not None, "rank 0 sends its state"
+    device = _collective_device(_get_default_group())
     result = {}
-    for key, value in holder[0].items():
+    for key, value in received.items():
         if isinstance(value, _TensorMeta):
-            tensor = state[key].detach().to(device) if is_src else torch.empty(value.shape, dtype=value.dtype, device=device)
+            tensor = (
+                state[key].detach().to(device) if is_src else torch.empty(value.shape, dtype=value.dtype, device=device)
+            )
             dist.broadcast(tensor, src=0)
             value = tensor.cpu() if cpu_offload else tensor
         result[key] = value
@@ -183,7 +201,9 @@ def _broadcast_from_rank0(state: dict[str, Any], cpu_offload: bool) -> dict[str,
 
 
 @torch.no_grad()
-def _get_optim(model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], options: StateDictOptions) -> dict[str, Any]:
+def _get_optim(
+    model: nn.Module, optims: tuple[torch.optim.Optimizer, ...], options: StateDictOptions
+) -> dict[str, Any]:
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
     for optim in optims:
         _init_state(optim)  # a DCP load target needs the state tensors to exist, as torch's helper ensures
@@ -266,7 +286,7 @@ def _unflatten(model: nn.Module, optim: torch.optim.Optimizer, flat: dict[str, A
     (use_orig_params=True): torch's then loads nothing for it and the ranks' collectives disagree."""
     state: dict[str, Any] = {}
     groups = []
-    for group, pairs in zip(optim.param_groups, _optim_fqns(model, optim)):
+    for group, pairs in zip(optim.param_groups, _optim_fqns(model, optim), strict=True):
         fqns = [fqn for fqn, _ in pairs]
         for fqn in fqns:
             prefix = f"state.{fqn}."
@@ -286,7 +306,7 @@ def _unflatten(model: nn.Module, optim: torch.optim.Optimizer, flat: dict[str, A
 # Shared
 
 
-def _verify_options(options: Optional[StateDictOptions], submodules: Optional[set[nn.Module]] = None) -> StateDictOptions:
+def _verify_options(options: StateDictOptions | None, submodules: set[nn.Module] | None = None) -> StateDictOptions:
     if submodules:
         warnings.warn(_SUBMODULES_DEPRECATED, FutureWarning, stacklevel=3)
     options = options or StateDictOptions()
@@ -297,14 +317,21 @@ def _verify_options(options: Optional[StateDictOptions], submodules: Optional[se
 
 def _verify_not_empty(
     options: StateDictOptions,
-    model_sd: Optional[dict] = None,
-    optim_sd: Optional[dict] = None,
-    submodules: Optional[set[nn.Module]] = None,
+    model_sd: dict | None = None,
+    optim_sd: dict | None = None,
+    submodules: set[nn.Module] | None = None,
 ) -> None:
     """torch's sanity check: an empty dict is an error unless the options explain it."""
     explained = (options.cpu_offload and options.full_state_dict) or options.broadcast_from_rank0
-    if model_sd is not None and not model_sd and options.strict and not (explained or submodules or options.ignore_frozen_params):
-        raise RuntimeError(f"The options require a model state dict to save or load, but it is empty (rank {dist.get_rank()}).")
+    if (
+        model_sd is not None
+        and not model_sd
+        and options.strict
+        and not (explained or submodules or options.ignore_frozen_params)
+    ):
+        raise RuntimeError(
+            f"The options require a model state dict to save or load, but it is empty (rank {dist.get_rank()})."
+        )
     if optim_sd is not None and not optim_sd and not explained:
         raise RuntimeError(f"The options require an optimizer state dict to save or load, but it is empty: {optim_sd}.")
 
@@ -319,12 +346,19 @@ def _state_dict_type(model: nn.Module, options: StateDictOptions) -> Iterator[No
     do) or SHARDED, without the deprecation warning that FSDP.state_dict_type() emits (torch's helpers suppress it
     too)."""
     offload = options.cpu_offload
+    settings: tuple[StateDictType, Any, Any]
     if options.full_state_dict:
-        settings = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload, offload),
-                    FullOptimStateDictConfig(offload, offload or options.broadcast_from_rank0))
+        settings = (
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload, offload),
+            FullOptimStateDictConfig(offload, offload or options.broadcast_from_rank0),
+        )
     else:
-        settings = (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload),
-                    ShardedOptimStateDictConfig(offload))
+        settings = (
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload),
+            ShardedOptimStateDictConfig(offload),
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         with FSDP.state_dict_type(model, *settings):
@@ -344,7 +378,7 @@ def _init_state(optim: torch.optim.Optimizer) -> None:
         if "lr" in group:
             group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
     optim.step()
-    for group, lr in zip(optim.param_groups, lrs):
+    for group, lr in zip(optim.param_groups, lrs, strict=True):
         if lr is not None:
             group["lr"] = lr
     optim.zero_grad(set_to_none=True)

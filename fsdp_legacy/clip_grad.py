@@ -43,7 +43,8 @@ def clip_grad_norm_(
         dtype = torch.get_default_dtype()
         warnings.warn(
             f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank(group)} with no gradients -- returning the total "
-            f"norm in the default dtype {dtype}"
+            f"norm in the default dtype {dtype}",
+            stacklevel=3,
         )
         return total.to(dtype)
     dtype = grads[0].dtype

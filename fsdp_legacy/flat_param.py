@@ -11,8 +11,8 @@ interchangeable with torch's:
 """
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -184,7 +184,7 @@ def build_layout(
                 found.append((module_name, module, param_name, param))
     offsets, segments, total = plan_segments([p.numel() for *_, p in found], aligned_numel, world_size)
     params: dict[nn.Parameter, ParamInfo] = {}
-    for (module_name, module, param_name, param), offset in zip(found, offsets):
+    for (module_name, module, param_name, param), offset in zip(found, offsets, strict=True):
         fqn = f"{module_name}.{param_name}" if module_name else param_name
         params[param] = ParamInfo(fqn, module, module_name, param_name, param.shape, offset)
     return FlatParamLayout(
@@ -215,4 +215,3 @@ def flatten(layout: FlatParamLayout, tensors: dict[ParamInfo, torch.Tensor], dev
 
 def aligned_numel_for(dtype: torch.dtype) -> int:
     return ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size()
-

@@ -11,32 +11,32 @@ import os
 import traceback
 import warnings
 import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from enum import Enum
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _get_default_group
 
 from . import optim_state as _optim_state
 from . import state_dict as _state_dict
-from .clip_grad import clip_grad_norm_
+from . import state_dict_loading as _state_dict_loading
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .clip_grad import clip_grad_norm_
 from .flat_param import FlatParameter, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
-from .runtime import Runtime, TrainingState
+from .runtime import Runtime
 from .summon import summon_full_params
-
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
-FLAT_PARAM = "_flat_param"
+from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, TrainingState, fsdp_modules
 
 _HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 _SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *_HYBRID_STRATEGIES)
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(FSDPUnit):
     """Shards a module's parameters, gradients and optimizer state across ranks (torch FSDP1's API).
 
     Each wrapped unit (this module, and every submodule the auto_wrap_policy selects) flattens the parameters it owns
@@ -48,14 +48,14 @@ class FullyShardedDataParallel(nn.Module):
         self,
         module: nn.Module,
         process_group: Any = None,
-        sharding_strategy: Optional[ShardingStrategy] = None,
-        cpu_offload: Optional[CPUOffload] = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
         auto_wrap_policy: Any = None,
-        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
-        mixed_precision: Optional[MixedPrecision] = None,
-        ignored_modules: Optional[Iterable[nn.Module]] = None,
-        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
-        device_id: Optional[Union[int, torch.device]] = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
         sync_module_states: bool = False,
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
@@ -103,13 +103,18 @@ class FullyShardedDataParallel(nn.Module):
                 device_mesh=device_mesh,
             )
             auto_wrap(
-                module, auto_wrap_policy, FullyShardedDataParallel, self._ignored_modules, self._ignored_params,
+                module,
+                auto_wrap_policy,
+                FullyShardedDataParallel,
+                self._ignored_modules,
+                self._ignored_params,
                 root_kwargs,
             )
 
         if self.world_size == 1 and sharding_strategy != ShardingStrategy.NO_SHARD:
             warnings.warn(
-                f"FSDP is switching to use `NO_SHARD` instead of {sharding_strategy} since the world size is 1."
+                f"FSDP is switching to use `NO_SHARD` instead of {sharding_strategy} since the world size is 1.",
+                stacklevel=2,
             )
             sharding_strategy = ShardingStrategy.NO_SHARD
             if self._inter_node_pg is not None:  # hybrid with one rank per shard group: plain replication
@@ -120,6 +125,7 @@ class FullyShardedDataParallel(nn.Module):
                 "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
                 "`DistributedDataParallel` instead.",
                 FutureWarning,
+                stacklevel=2,
             )
         self.sharding_strategy = sharding_strategy
         self.cpu_offload = cpu_offload or CPUOffload()
@@ -129,19 +135,19 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         self._use_orig_params = use_orig_params
         self._sync_gradients = True
-        self._comm_hook: Optional[Callable] = None
+        self._comm_hook: Callable | None = None
         self._buffer_dtypes: dict[str, torch.dtype] = {}  # original dtypes of buffers cast to buffer_dtype, by path
         self._comm_hook_state: object = None
         self.training_state = TrainingState.IDLE
-        self._is_root: Optional[bool] = None
-        self._runtime: Optional[Runtime] = None
+        self._is_root: bool | None = None
+        self._runtime: Runtime | None = None
 
         is_boundary = self._is_boundary_for(module)
         managed = self._managed_params(module, is_boundary)
         if sync_module_states:
-            everyone = self.process_group if self._inter_node_pg is None else dist.group.WORLD
+            everyone = self.process_group if self._inter_node_pg is None else _get_default_group()
             _broadcast_from_rank0(module, managed, is_boundary, everyone)
-        self._handle: Optional[FlatParamHandle] = None
+        self._handle: FlatParamHandle | None = None
         if managed:
             self._handle = FlatParamHandle(
                 module,
@@ -167,6 +173,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._handle is not None and not use_orig_params:
             module.register_parameter(FLAT_PARAM, self._handle.flat_param)
         _state_dict.init_unit(self)
+        _state_dict_loading.register_load_hooks(self)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Construction helpers
@@ -208,14 +215,15 @@ class FullyShardedDataParallel(nn.Module):
 
     def _lazy_init(self) -> Runtime:
         """The first FSDP instance to run forward becomes the root of all FSDP instances below it."""
-        if self._runtime is None:
-            units = FullyShardedDataParallel.fsdp_modules(self)
-            runtime = Runtime(self, units)
-            for unit in units:
-                unit._is_root = unit is self
-                unit._runtime = runtime
-                unit._cast_buffers()
-        return self._runtime
+        if self._runtime is not None:
+            return self._runtime
+        units = FullyShardedDataParallel.fsdp_modules(self)
+        runtime = Runtime(self, units)
+        for unit in units:
+            unit._is_root = unit is self
+            unit._runtime = runtime
+            unit._cast_buffers()
+        return runtime
 
     def _cast_buffers(self) -> None:
         """MixedPrecision.buffer_dtype: this unit's floating-point buffers are kept in that dtype from the first
@@ -241,7 +249,7 @@ class FullyShardedDataParallel(nn.Module):
         return [self._handle.flat_param] if self._handle is not None else []
 
     @property
-    def _flat_param(self) -> Optional[FlatParameter]:
+    def _flat_param(self) -> FlatParameter | None:
         return self._handle.flat_param if self._handle is not None else None
 
     def __getattr__(self, name: str) -> Any:
@@ -254,13 +262,14 @@ class FullyShardedDataParallel(nn.Module):
             return getattr(wrapped, name)
 
     def __getitem__(self, key: Any) -> Any:
-        return self._fsdp_wrapped_module.__getitem__(key)
+        wrapped: Any = self._fsdp_wrapped_module  # a container module (nn.Sequential, ModuleList, ...)
+        return wrapped[key]
 
     def check_is_root(self) -> bool:
         self._lazy_init()
         return bool(self._is_root)
 
-    def _assert_state(self, state: Union[TrainingState, list[TrainingState]]) -> None:
+    def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
         states = state if isinstance(state, list) else [state]
         if self.training_state not in states:
             message = f"expected to be in states {states} but current state is {self.training_state}"
@@ -270,11 +279,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
         """All FSDP instances in `module` (itself included) in pre-order, or only the outermost ones."""
-        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        if not root_only:
-            return units
-        nested = {id(inner) for unit in units for inner in unit.modules() if inner is not unit}
-        return [unit for unit in units if id(unit) not in nested]
+        return fsdp_modules(module, root_only)  # type: ignore[return-value]
 
     # ----------------------------------------------------------------------------------------------------------------
     # State dicts (state_dict.py)
@@ -294,7 +299,7 @@ class FullyShardedDataParallel(nn.Module):
     rekey_optim_state_dict = staticmethod(_optim_state.rekey_optim_state_dict)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        return _state_dict.load_state_dict(self, state_dict, strict, assign)
+        return _state_dict_loading.load_state_dict(self, state_dict, strict, assign)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -314,7 +319,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             yield
         finally:
-            for unit, flag in zip(units, previous):
+            for unit, flag in zip(units, previous, strict=True):
                 unit._sync_gradients = flag
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -379,6 +384,7 @@ class FullyShardedDataParallel(nn.Module):
 def _post_backward_hook(unit_ref: "weakref.ref[FullyShardedDataParallel]", flat_param: torch.Tensor) -> None:
     unit = unit_ref()
     if unit is not None:
+        assert unit._runtime is not None, "backward follows a forward, which sets the runtime"
         unit._runtime.post_backward(unit)
 
 
@@ -396,7 +402,7 @@ def _coerce(enum_cls: type[Enum], value: Any) -> Any:
 
 
 def _resolve_ignored(
-    module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]], ignored_states: Any
+    module: nn.Module, ignored_modules: Iterable[nn.Module] | None, ignored_states: Any
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
@@ -417,7 +423,7 @@ def _resolve_ignored(
 
 def _resolve_group(
     process_group: Any, device_mesh: Any, hybrid: bool
-) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """(the group a unit shards over, the group across which hybrid sharding replicates, or None)."""
     if process_group is not None and device_mesh is not None:
         raise ValueError(
@@ -431,7 +437,9 @@ def _resolve_group(
     if hybrid:
         if device_mesh is not None:
             if device_mesh.ndim != 2:
-                raise ValueError(f"Hybrid sharding needs a 2-D device_mesh (replicate, shard), got {device_mesh.ndim}-D")
+                raise ValueError(
+                    f"Hybrid sharding needs a 2-D device_mesh (replicate, shard), got {device_mesh.ndim}-D"
+                )
             return device_mesh.get_group(mesh_dim=1), device_mesh.get_group(mesh_dim=0)
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
             raise ValueError(
@@ -448,7 +456,7 @@ def _resolve_group(
         if device_mesh.ndim != 1:
             raise ValueError("A 2-D device_mesh is for hybrid sharding; pass a 1-D mesh for other strategies.")
         return device_mesh.get_group(), None
-    return (process_group if process_group is not None else dist.distributed_c10d._get_default_group()), None
+    return (process_group if process_group is not None else _get_default_group()), None
 
 
 def _node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -462,6 +470,7 @@ def _node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     replicate, _ = dist.new_subgroups_by_enumeration([list(range(i, world, per_node)) for i in range(per_node)])
     return shard, replicate
 
+
 def _compute_device(
     module: nn.Module, device_id: Any, group: dist.ProcessGroup, ignored: set[nn.Parameter]
 ) -> torch.device:
@@ -472,7 +481,9 @@ def _compute_device(
         return device
     devices = {p.device for p in module.parameters() if p not in ignored and p.device.type != "meta"}
     if len(devices) > 1:
-        raise ValueError(f"FSDP requires all parameters of a module on one device, but found {sorted(map(str, devices))}")
+        raise ValueError(
+            f"FSDP requires all parameters of a module on one device, but found {sorted(map(str, devices))}"
+        )
     device = devices.pop() if devices else torch.device("cpu")
     if device.type == "cpu" and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())  # NCCL needs CUDA tensors
@@ -488,8 +499,9 @@ def _materialize_and_move(module: nn.Module, device: torch.device, param_init_fn
         else:
             for sub in units:
                 sub.to_empty(device=device, recurse=False)
-                if hasattr(sub, "reset_parameters"):
-                    sub.reset_parameters()
+                reset = getattr(sub, "reset_parameters", None)
+                if callable(reset):
+                    reset()
     with torch.no_grad():
         for sub in units:
             for param in sub._parameters.values():
@@ -498,6 +510,7 @@ def _materialize_and_move(module: nn.Module, device: torch.device, param_init_fn
             for name, buffer in sub._buffers.items():
                 if buffer is not None and buffer.device != device:
                     sub._buffers[name] = buffer.to(device)
+
 
 def _broadcast_from_rank0(module: nn.Module, managed: set[nn.Parameter], is_boundary, group: dist.ProcessGroup) -> None:
     source = dist.get_global_rank(group, 0)

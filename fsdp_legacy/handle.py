@@ -15,9 +15,9 @@ Where the sharded gradient lives:
                keeps the first scheme with the original gradients as views of it.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _collectives as comm
 from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, aligned_numel_for, build_layout, flatten
-
 
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
 # units) fails with a clear message instead of silently owning a stale copy.
@@ -46,7 +45,7 @@ class PendingReduction:
     """An issued gradient reduce-scatter (or all-reduce) whose result is not yet folded into the gradient."""
 
     handle: "FlatParamHandle"
-    work: dist.Work
+    work: comm.Waitable
     output: torch.Tensor
     input: torch.Tensor  # kept alive until the collective completes
     post_divide: float
@@ -63,9 +62,9 @@ class FlatParamHandle:
         reshard_after_forward: bool,
         use_orig_params: bool,
         device: torch.device,
-        param_dtype: Optional[torch.dtype] = None,
-        reduce_dtype: Optional[torch.dtype] = None,
-        replicate_group: Optional[dist.ProcessGroup] = None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         offload_params: bool = False,
         keep_low_precision_grads: bool = False,
     ):
@@ -75,22 +74,22 @@ class FlatParamHandle:
         # Hybrid sharding: the sharded gradient is then all-reduced across the replicas of this shard group.
         self.replicate_group = replicate_group
         self.data_parallel_size = self.world_size * (replicate_group.size() if replicate_group is not None else 1)
-        self.comm_hook: Optional[Callable] = None  # register_comm_hook: replaces the default reduction
+        self.comm_hook: Callable | None = None  # register_comm_hook: replaces the default reduction
         self.comm_hook_state: object = None
         self.sharded = sharded
         self.reshard_after_forward = reshard_after_forward
         self.use_orig_params = use_orig_params
         self.training_state = HandleTrainingState.IDLE
-        self.unshard_work: Optional[dist.Work] = None
-        self._gather_input: Optional[torch.Tensor] = None  # the all-gather's input while it is in flight
-        self.saved_grad: Optional[torch.Tensor] = None
-        self.new_grad: Optional[torch.Tensor] = None  # this backward's reduced sharded gradient
-        self.unsynced_grad: Optional[torch.Tensor] = None  # unsharded gradients accumulated under no_sync()
+        self.unshard_work: comm.Waitable | None = None
+        self._gather_input: torch.Tensor | None = None  # the all-gather's input while it is in flight
+        self.saved_grad: torch.Tensor | None = None
+        self.new_grad: torch.Tensor | None = None  # this backward's reduced sharded gradient
+        self.unsynced_grad: torch.Tensor | None = None  # unsharded gradients accumulated under no_sync()
         self.needs_pre_backward = False  # set in forward, cleared by the first pre-backward hook
         self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
 
-        params = [p for p in managed]
+        params = list(managed)
         dtype = _uniform(params, lambda p: p.dtype, "dtype")
         # Mixed precision: forward and backward run on a low-precision unsharded copy; the full-precision local
         # shard stays the master copy, so only the low-precision unit is ever unsharded.
@@ -121,7 +120,7 @@ class FlatParamHandle:
             aligned_numel_for(self.compute_dtype) if use_orig_params else 0,
         )
         self.layout: FlatParamLayout = layout
-        originals = {info: info.module._parameters[info.param_name] for info in layout.params}
+        originals = {info: _registered(info.module, info.param_name) for info in layout.params}
         with torch.no_grad():
             full = flatten(layout, {i: p.detach() for i, p in originals.items()}, device, dtype)
         if sharded:
@@ -147,9 +146,9 @@ class FlatParamHandle:
         # and their storage with them, so the unsharded model does not outlive construction.
         self.orig_params: dict[ParamInfo, nn.Parameter] = originals if use_orig_params else {}
         self._local_pieces = {piece.info: piece for piece in layout.shard_pieces(self.rank)} if sharded else {}
-        self._orig_grad_views: dict[ParamInfo, Optional[torch.Tensor]] = {}
+        self._orig_grad_views: dict[ParamInfo, torch.Tensor | None] = {}
         self.grads_on_orig_params = use_orig_params and self.uses_buffer
-        self._compact_grad: Optional[torch.Tensor] = None  # the buffer behind `_compact_views`, when ours
+        self._compact_grad: torch.Tensor | None = None  # the buffer behind `_compact_views`, when ours
         self._compact_views: dict[ParamInfo, torch.Tensor] = {}  # the sharded gradient of each original parameter
         for info, param in originals.items():
             FLATTENED[param] = f"'{info.fqn}' of the FSDP unit wrapping {type(module).__name__}"
@@ -205,8 +204,9 @@ class FlatParamHandle:
         self.is_unsharded = True
 
     def _finish_unshard_work(self) -> None:
-        self.unshard_work.wait()
-        self.unshard_work = None
+        work, self.unshard_work = self.unshard_work, None
+        assert work is not None, "unshard() issues the all-gather first"
+        work.wait()
         gather_input, self._gather_input = self._gather_input, None
         if gather_input is not None and gather_input is not self.local_shard and gather_input.device.type == "cpu":
             # A low-precision copy of the shard: free it now rather than whenever the backend's work object, which
@@ -242,8 +242,9 @@ class FlatParamHandle:
         # One split (a single autograd node) rather than a slice per parameter, which would each backpropagate a
         # full-size gradient.
         chunks = self.flat_param.split(sizes)
-        params = (chunk for chunk, (_, is_padding) in zip(chunks, layout.segments) if not is_padding)
-        views = {info: chunk.view(info.shape) for info, chunk in zip(layout.params, params)}
+        # (the last chunk, the world-size padding, has no segment: zip leaves it out)
+        params = (chunk for chunk, (_, is_padding) in zip(chunks, layout.segments, strict=False) if not is_padding)
+        views = {info: chunk.view(info.shape) for info, chunk in zip(layout.params, params, strict=True)}
         for info, param in self.orig_params.items():
             if not param.requires_grad:  # frozen (use_orig_params=True): autograd computes no gradient for it
                 views[info] = views[info].detach()
@@ -326,7 +327,9 @@ class FlatParamHandle:
         """Take the original parameters' gradients as the sharded gradient to accumulate into: unchanged when they
         are still our views, dropped after zero_grad(set_to_none=True), copied in on the next reduction otherwise."""
         current = {info: p.grad for info, p in self.orig_params.items() if p.grad is not None}
-        if current.keys() == self._compact_views.keys() and all(current[i] is v for i, v in self._compact_views.items()):
+        if current.keys() == self._compact_views.keys() and all(
+            current[i] is v for i, v in self._compact_views.items()
+        ):
             return
         self._compact_grad = None  # the next reduction builds a fresh buffer from these values
         self._compact_views = current
@@ -366,7 +369,7 @@ class FlatParamHandle:
             offset += numel
         self._compact_grad, self._compact_views = buffer, views
 
-    def sharded_grad(self) -> Optional[torch.Tensor]:
+    def sharded_grad(self) -> torch.Tensor | None:
         """This rank's sharded gradient in the flat shard's layout (assembled, zero-filled, when it lives on the
         original parameters); None if there is none."""
         if not self.grads_on_orig_params:
@@ -392,7 +395,7 @@ class FlatParamHandle:
             if self.unsynced_grad is None:  # under no_sync, `.grad` only shows the unsynced gradient
                 self.saved_grad = grad
 
-    def take_unsharded_grad(self) -> Optional[torch.Tensor]:
+    def take_unsharded_grad(self) -> torch.Tensor | None:
         """This backward's gradient, taken off the flat parameter (when it has a separate unsharded buffer) so it
         can reshard first."""
         grad = self.flat_param.grad
@@ -400,7 +403,7 @@ class FlatParamHandle:
             self.flat_param.grad = None
         return grad
 
-    def accumulate_unsynced(self, grad: Optional[torch.Tensor]) -> None:
+    def accumulate_unsynced(self, grad: torch.Tensor | None) -> None:
         """no_sync(): keep the unsharded gradient, unreduced, adding it to those of earlier no_sync backwards."""
         if grad is None:
             return
@@ -409,7 +412,7 @@ class FlatParamHandle:
         else:
             self.unsynced_grad.add_(grad)
 
-    def take_unsynced_into(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def take_unsynced_into(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """The first synchronised backward after no_sync() reduces the no_sync gradients together with its own."""
         unsynced, self.unsynced_grad = self.unsynced_grad, None
         if unsynced is None:
@@ -420,6 +423,7 @@ class FlatParamHandle:
         """As torch FSDP1 shows them under no_sync(): the flat gradient unsharded and unpadded (use_orig_params=False),
         or full-shape gradients on the original parameters (True), while the parameters themselves stay sharded."""
         flat = self.unsynced_grad
+        assert flat is not None, "called only while no_sync() accumulates"
         if not self.use_orig_params:
             _assign_grad(self.flat_param, flat[: self.layout.numel])
             return
@@ -428,7 +432,7 @@ class FlatParamHandle:
                 _assign_grad(param, flat[info.offset : info.offset + info.numel].view(info.shape))
         self._orig_grad_views = {}
 
-    def reduce_grad(self, grad: Optional[torch.Tensor]) -> Optional[PendingReduction]:
+    def reduce_grad(self, grad: torch.Tensor | None) -> PendingReduction | None:
         """Issue the reduction of the unsharded gradient, in the reduce dtype: sharded strategies reduce-scatter it,
         NO_SHARD all-reduces it."""
         if grad is None:
@@ -472,6 +476,7 @@ class FlatParamHandle:
             else:
                 self.new_grad = output
         elif pending.output is not self.flat_param.grad:  # NO_SHARD reduced in another dtype: back into .grad
+            assert self.flat_param.grad is not None
             self.flat_param.grad.copy_(pending.output)
 
     def finish_backward(self) -> None:
@@ -509,7 +514,7 @@ def _uniform(params: list[nn.Parameter], key, what: str):
     return values.pop()
 
 
-def _assign_grad(param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+def _assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Set a gradient whose shape or dtype differs from the parameter's current data, as torch FSDP1 does under
     no_sync() (unsharded gradients on sharded parameters) and with keep_low_precision_grads: `.grad` assignment
     checks both against `.data`, so the data is swapped for a one-element stand-in (an expanded view) meanwhile."""
@@ -531,3 +536,9 @@ def _alloc(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     if storage.size() != nbytes:
         storage.resize_(nbytes)
+
+
+def _registered(module: nn.Module, name: str) -> nn.Parameter:
+    param = module._parameters[name]
+    assert param is not None, f"the layout lists {name}, so it is registered"
+    return param

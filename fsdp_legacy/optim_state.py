@@ -14,15 +14,15 @@ original parameter by its clean FQN:
 
 import copy
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as comm
-from . import fully_sharded_data_parallel as _fsdp  # circular: only used at call time
 from .api import (
     FullOptimStateDictConfig,
     OptimStateDictConfig,
@@ -31,17 +31,9 @@ from .api import (
 )
 from .flat_param import FlatParameter, ParamInfo
 from .handle import FlatParamHandle
-from .state_dict import (
-    _chunk_dtensor,
-    _chunk_sharded_tensor,
-    _clean,
-    _copy,
-    _full_tensor,
-    get_state_dict_type,
-)
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+from .state_dict import _chunk_dtensor, _chunk_sharded_tensor, _clean, _copy, get_state_dict_type
+from .state_dict_loading import _full_tensor
+from .unit import FSDPUnit
 
 _OPTIM_INPUT_WARNING = (
     "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. You may remove it from your "
@@ -66,10 +58,10 @@ class _Entry:
 
     fqns: tuple[str, ...]
     infos: tuple[ParamInfo, ...]  # empty for a parameter outside every FSDP unit
-    unit: Optional["Unit"] = None
+    unit: FSDPUnit | None = None
 
     @property
-    def handle(self) -> Optional[FlatParamHandle]:
+    def handle(self) -> FlatParamHandle | None:
         return self.unit._handle if self.unit is not None else None
 
 
@@ -77,7 +69,7 @@ def entries_by_param(model: nn.Module) -> dict[nn.Parameter, _Entry]:
     """Every parameter an optimizer of `model` can hold (flat or original) -> the original FQNs it stands for."""
     by_param: dict[nn.Parameter, _Entry] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, _fsdp.FullyShardedDataParallel) or module._handle is None:
+        if not isinstance(module, FSDPUnit) or module._handle is None:
             continue
         handle, prefix = module._handle, _clean(f"{name}." if name else "")
         if handle.use_orig_params:
@@ -130,7 +122,7 @@ def _local_state_by_fqn(entries: list[tuple[int, _Entry]], state: dict[int, dict
     return result
 
 
-def _global_specs(local: dict[str, dict[str, Any]], group: Optional[dist.ProcessGroup]) -> dict[str, dict[str, Any]]:
+def _global_specs(local: dict[str, dict[str, Any]], group: dist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
     """Per FQN and state name, across ranks: the dtype of a sharded state, or the value of a scalar one.
 
     Ranks can lack a parameter's state (use_orig_params=True, no local elements); they still have to join the gathers
@@ -159,8 +151,8 @@ def _global_specs(local: dict[str, dict[str, Any]], group: Optional[dist.Process
 def optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
-    optim_state_dict: Optional[dict[str, Any]] = None,
-    group: Optional[dist.ProcessGroup] = None,
+    optim_state_dict: dict[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """The optimizer state keyed by clean FQNs, in the format of the model's current state_dict_type: FULL gives
     full tensors of the original shapes (honouring rank0_only and offload_to_cpu); SHARDED and LOCAL give their
@@ -176,10 +168,10 @@ def optim_state_dict(
 def _save(
     model: nn.Module,
     optim: torch.optim.Optimizer,
-    osd: Optional[dict[str, Any]],
+    osd: dict[str, Any] | None,
     kind: StateDictType,
     config: OptimStateDictConfig,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     osd = optim.state_dict() if osd is None else osd
     entries = _entries(model, optim)
@@ -194,8 +186,10 @@ def _save(
         if entry.unit is not None:
             by_unit.setdefault(id(entry.unit), []).append((key, entry))
         elif keep:
-            values[entry.fqns[0]] = {n: _copy_scalar(v) if _is_scalar(v) else _copy(v, config.offload_to_cpu)
-                                     for n, v in osd["state"].get(key, {}).items()}
+            values[entry.fqns[0]] = {
+                n: _copy_scalar(v) if _is_scalar(v) else _copy(v, config.offload_to_cpu)
+                for n, v in osd["state"].get(key, {}).items()
+            }
     for unit_entries in by_unit.values():
         unit = unit_entries[0][1].unit
         assert unit is not None
@@ -227,7 +221,7 @@ def _in_torch_uop_order(state: dict[str, Any], entries: list[tuple[int, _Entry]]
 
 
 def _gather_unit(
-    unit: "Unit",
+    unit: FSDPUnit,
     unit_entries: list[tuple[int, _Entry]],
     state: dict[int, dict[str, Any]],
     local_by_fqn: dict[str, dict[str, Any]],
@@ -239,7 +233,7 @@ def _gather_unit(
     assert handle is not None
     shard_numel = handle.local_shard.numel()
     pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
-    infos = [(info, fqn) for _, e in unit_entries for info, fqn in zip(e.infos, e.fqns)]
+    infos = [(info, fqn) for _, e in unit_entries for info, fqn in zip(e.infos, e.fqns, strict=True)]
     names = {name: spec[1] for _, fqn in infos for name, spec in specs.get(fqn, {}).items() if spec[0]}
     gathered: dict[str, torch.Tensor] = {}
     for name, dtype in names.items():
@@ -266,12 +260,15 @@ def _gather_unit(
         if fqn not in specs:
             continue
         mine = local_by_fqn.get(fqn, {})
-        yield fqn, {
-            name: gathered[name][info.offset : info.offset + info.numel].view(info.shape)
-            if is_tensor
-            else mine.get(name, value)
-            for name, (is_tensor, value) in _in_torch_order(specs[fqn], handle.use_orig_params)
-        }
+        yield (
+            fqn,
+            {
+                name: gathered[name][info.offset : info.offset + info.numel].view(info.shape)
+                if is_tensor
+                else mine.get(name, value)
+                for name, (is_tensor, value) in _in_torch_order(specs[fqn], handle.use_orig_params)
+            },
+        )
 
 
 def _in_torch_order(specs: dict[str, Any], use_orig_params: bool) -> list[tuple[str, Any]]:
@@ -287,7 +284,7 @@ def _in_torch_order(specs: dict[str, Any], use_orig_params: bool) -> list[tuple[
     return sorted(specs.items(), key=rank)
 
 
-def _save_value(value: Any, unit: "Unit", full: bool, config: OptimStateDictConfig) -> Any:
+def _save_value(value: Any, unit: FSDPUnit, full: bool, config: OptimStateDictConfig) -> Any:
     if _is_scalar(value):
         return _copy_scalar(value)
     handle = unit._handle
@@ -310,7 +307,7 @@ def optim_state_dict_to_load(
     optim_state_dict: dict[str, Any],
     is_named_optimizer: bool = False,
     load_directly: bool = False,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """This rank's part of an FQN-keyed optimizer state dict (FULL, SHARDED or LOCAL values), keyed as
     `optim.state_dict()` is: int ids, flat shard states (use_orig_params=False) or 1-D pieces of the original
@@ -333,7 +330,7 @@ def optim_state_dict_to_load(
 
 @torch.no_grad()
 def _to_load(
-    model: nn.Module, optim: torch.optim.Optimizer, osd: Any, broadcast: bool, group: Optional[dist.ProcessGroup] = None
+    model: nn.Module, optim: torch.optim.Optimizer, osd: Any, broadcast: bool, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
     if broadcast and dist.is_initialized() and dist.get_world_size(group) > 1:
         holder = [osd if dist.get_rank(group) == 0 else None]
@@ -347,10 +344,13 @@ def _to_load(
         value_group = handle.group if handle is not None else group or dist.group.WORLD
         assert value_group is not None
         # Every rank reassembles every value (ShardedTensors need all ranks), then keeps what it holds.
-        fulls = [{n: _full_tensor(v, value_group) if not _is_scalar(v) else v for n, v in saved.get(fqn, {}).items()}
-                 for fqn in entry.fqns]
-        for fqn, info, values in zip(entry.fqns, entry.infos, fulls):
-            _check_shapes(fqn, info, values)
+        fulls = [
+            {n: _full_tensor(v, value_group) if not _is_scalar(v) else v for n, v in saved.get(fqn, {}).items()}
+            for fqn in entry.fqns
+        ]
+        if handle is not None:  # a parameter outside every unit has no layout to check against
+            for fqn, info, values in zip(entry.fqns, entry.infos, fulls, strict=True):
+                _check_shapes(fqn, info, values)
         if handle is None:
             local = {n: _copy_scalar(v) if _is_scalar(v) else v.clone() for n, v in fulls[0].items()}
         elif not handle.use_orig_params:
@@ -378,7 +378,7 @@ def _flat_local(handle: FlatParamHandle, infos: tuple[ParamInfo, ...], fulls: li
     local: dict[str, Any] = {}
     n = handle.local_shard.numel()
     lo = handle.rank * n if handle.sharded else 0
-    for info, values in zip(infos, fulls):
+    for info, values in zip(infos, fulls, strict=True):
         for name, value in values.items():
             if _is_scalar(value):
                 local.setdefault(name, _copy_scalar(value))
@@ -423,7 +423,7 @@ def full_optim_state_dict(
     optim: torch.optim.Optimizer,
     optim_input: Any = None,
     rank0_only: bool = True,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     _deprecated("full_optim_state_dict", "optim_state_dict")
     _check_optim_input(optim_input)
@@ -432,7 +432,7 @@ def full_optim_state_dict(
 
 
 def sharded_optim_state_dict(
-    model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup] = None
+    model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
     _deprecated("sharded_optim_state_dict", "optim_state_dict")
     return _save(model, optim, None, StateDictType.SHARDED_STATE_DICT, ShardedOptimStateDictConfig(), group)
@@ -442,7 +442,7 @@ def shard_full_optim_state_dict(
     full_optim_state_dict: dict[str, Any],
     model: nn.Module,
     optim_input: Any = None,
-    optim: Optional[torch.optim.Optimizer] = None,
+    optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     _deprecated("shard_full_optim_state_dict", "optim_state_dict_to_load")
     return _to_load(model, _need_optim(optim, optim_input), full_optim_state_dict, broadcast=False)
@@ -456,19 +456,22 @@ def flatten_sharded_optim_state_dict(
 
 
 def scatter_full_optim_state_dict(
-    full_optim_state_dict: Optional[dict[str, Any]],
+    full_optim_state_dict: dict[str, Any] | None,
     model: nn.Module,
     optim_input: Any = None,
-    optim: Optional[torch.optim.Optimizer] = None,
-    group: Optional[Any] = None,
+    optim: torch.optim.Optimizer | None = None,
+    group: Any | None = None,
 ) -> dict[str, Any]:
     _deprecated("scatter_full_optim_state_dict", "optim_state_dict_to_load")
     return _to_load(model, _need_optim(optim, optim_input), full_optim_state_dict, broadcast=True, group=group)
 
 
 def rekey_optim_state_dict(
-    optim_state_dict: dict[str, Any], optim_state_key_type: Any, model: nn.Module, optim_input: Any = None,
-    optim: Optional[torch.optim.Optimizer] = None,
+    optim_state_dict: dict[str, Any],
+    optim_state_key_type: Any,
+    model: nn.Module,
+    optim_input: Any = None,
+    optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """Re-key an optimizer state dict between parameter ids (`optim.state_dict()`) and clean FQNs (FULL
     `optim_state_dict`) for `model`, whose parameters are those of the optimizer (in `optim`'s order, else
@@ -476,7 +479,9 @@ def rekey_optim_state_dict(
     _check_optim_input(optim_input)
     key_type = getattr(optim_state_key_type, "name", None)
     if key_type not in ("PARAM_NAME", "PARAM_ID"):
-        raise ValueError(f"optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, not {optim_state_key_type!r}")
+        raise ValueError(
+            f"optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, not {optim_state_key_type!r}"
+        )
     want = str if key_type == "PARAM_NAME" else int
     key_types = {type(key) for key in optim_state_dict["state"]}
     if len(key_types) > 1 or not key_types <= {str, int}:
@@ -485,6 +490,7 @@ def rekey_optim_state_dict(
         return optim_state_dict
     names = _clean_names(model)
     ids = _param_ids(model, optim, optim_input)
+    rename: dict[Any, Any]  # ids -> FQNs, or FQNs -> ids
     if want is str:
         rename = {pid: names[param] for pid, param in ids.items()}
     else:
@@ -494,8 +500,10 @@ def rekey_optim_state_dict(
 
     def new_key(key: Any) -> Any:
         if key not in rename:
-            raise KeyError(f"Parameter {key!r} of the optimizer state dict is not a parameter of the optimizer of this "
-                           "model: pass the model (and optim) the state dict was saved from.")
+            raise KeyError(
+                f"Parameter {key!r} of the optimizer state dict is not a parameter of the optimizer of this "
+                "model: pass the model (and optim) the state dict was saved from."
+            )
         return rename[key]
 
     result = {"state": {new_key(key): state for key, state in optim_state_dict["state"].items()}}
@@ -519,7 +527,7 @@ def _clean_names(model: nn.Module) -> dict[nn.Parameter, str]:
     return names
 
 
-def _param_ids(model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any) -> dict[int, nn.Parameter]:
+def _param_ids(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Any) -> dict[int, nn.Parameter]:
     """Parameter id -> parameter, numbered as torch.optim numbers them: in order across param groups."""
     if optim is not None:
         groups = optim.param_groups
@@ -534,7 +542,7 @@ def _check_optim_input(optim_input: Any) -> None:
         warnings.warn(_OPTIM_INPUT_WARNING, FutureWarning, stacklevel=3)
 
 
-def _need_optim(optim: Optional[torch.optim.Optimizer], optim_input: Any) -> torch.optim.Optimizer:
+def _need_optim(optim: torch.optim.Optimizer | None, optim_input: Any) -> torch.optim.Optimizer:
     _check_optim_input(optim_input)
     if optim is None:
         raise NotImplementedError(

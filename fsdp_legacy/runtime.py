@@ -12,9 +12,9 @@ gradients do not pile up.
 
 import os
 from collections import deque
-from enum import Enum, auto
+from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any
 
 import torch
 from torch.autograd import Variable
@@ -22,9 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .api import BackwardPrefetch
 from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .unit import FSDPUnit, TrainingState
 
 # Gradient reductions left in flight while backward goes on. On CUDA one overlaps the reduce-scatter (on NCCL's
 # stream) with the next unit's backward, as torch FSDP1 does. On CPU the unsharded gradient it keeps alive raises
@@ -36,14 +34,8 @@ MAX_PENDING_REDUCTIONS = {"cuda": 1}
 MAX_INFLIGHT_RESHARDS = 2
 
 
-class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD_BACKWARD = auto()
-    SUMMON_FULL_PARAMS = auto()
-
-
 class Runtime:
-    def __init__(self, root: "FullyShardedDataParallel", units: list["FullyShardedDataParallel"]):
+    def __init__(self, root: FSDPUnit, units: Sequence[FSDPUnit]):
         self.root = root
         self.units = units  # pre-order, root first
         self.forward_order: list[FlatParamHandle] = []  # this iteration's first-use order
@@ -59,7 +51,7 @@ class Runtime:
     # ----------------------------------------------------------------------------------------------------------------
     # Forward
 
-    def pre_forward(self, unit: "FullyShardedDataParallel", args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if unit is self.root:
             args, kwargs = self._root_pre_forward(args, kwargs)
         unit.training_state = TrainingState.FORWARD_BACKWARD
@@ -96,7 +88,7 @@ class Runtime:
             )
         return args, kwargs
 
-    def post_forward(self, unit: "FullyShardedDataParallel", output: Any) -> Any:
+    def post_forward(self, unit: FSDPUnit, output: Any) -> Any:
         handle = unit._handle
         grad_enabled = torch.is_grad_enabled()
         if handle is not None:
@@ -119,7 +111,7 @@ class Runtime:
     # ----------------------------------------------------------------------------------------------------------------
     # Backward
 
-    def _pre_backward(self, unit: "FullyShardedDataParallel", grad: torch.Tensor) -> None:
+    def _pre_backward(self, unit: FSDPUnit, grad: torch.Tensor) -> None:
         self._queue_backward_callback()
         handle = unit._handle
         if handle is None or not handle.needs_pre_backward:
@@ -134,10 +126,11 @@ class Runtime:
         # Activation checkpointing re-runs the unit's forward during backward: the attributes must hold the data.
         handle.use_unsharded_views()
 
-    def post_backward(self, unit: "FullyShardedDataParallel") -> None:
+    def post_backward(self, unit: FSDPUnit) -> None:
         """Runs once this backward's gradient has accumulated into the unit's unsharded flat parameter."""
         self._queue_backward_callback()
         handle = unit._handle
+        assert handle is not None, "only units with a flat parameter register the post-backward hook"
         handle.training_state = HandleTrainingState.BACKWARD_POST
         grad = handle.take_unsharded_grad()
         if handle.uses_buffer:
@@ -182,7 +175,7 @@ class Runtime:
     # ----------------------------------------------------------------------------------------------------------------
     # All-gather scheduling
 
-    def _prefetch(self, handle: Optional[FlatParamHandle]) -> None:
+    def _prefetch(self, handle: FlatParamHandle | None) -> None:
         if handle is not None and handle.sharded:
             self._issue_unshard(handle)
 
@@ -208,7 +201,7 @@ class Runtime:
             self.reshard_events.append(event)
 
 
-def _neighbour(order: list[FlatParamHandle], handle: FlatParamHandle, step: int) -> Optional[FlatParamHandle]:
+def _neighbour(order: list[FlatParamHandle], handle: FlatParamHandle, step: int) -> FlatParamHandle | None:
     """The handle `step` places from `handle` in `order` (forward order; step -1 is the next one in backward)."""
     try:
         index = order.index(handle) + step

@@ -4,8 +4,6 @@ Each rank checks only its own shards for inf/nan, so the verdict is summed acros
 skips (or takes) the same step and backs the scale off (or grows it) identically.
 """
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -19,7 +17,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         growth_factor: float = 2.0,
         growth_interval: int = 2000,
         enabled: bool = True,
-        process_group: Optional[dist.ProcessGroup] = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(
             device,
@@ -31,7 +29,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         )
         self.process_group = process_group if process_group is not None else dist.group.WORLD
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[no-untyped-def]
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # fp16 gradients are expected here (MixedPrecision(keep_low_precision_grads=True)), unlike with plain AMP.
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 

@@ -7,7 +7,7 @@ into the local shards (writeback=True) and the units reshard.
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Iterator, Optional
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,15 +15,12 @@ from torch import nn
 
 from . import _collectives as comm
 from .handle import FlatParamHandle, HandleTrainingState
-from .runtime import TrainingState
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .unit import FSDPUnit, TrainingState
 
 
 @contextlib.contextmanager
 def summon_full_params(
-    units: list["FullyShardedDataParallel"],
+    units: Sequence[FSDPUnit],
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
@@ -52,7 +49,7 @@ def summon_full_params(
 
 @contextlib.contextmanager
 def _summon_unit(
-    unit: "FullyShardedDataParallel", writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+    unit: FSDPUnit, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> Iterator[None]:
     unit.training_state = TrainingState.SUMMON_FULL_PARAMS
     handle = unit._handle
@@ -85,7 +82,7 @@ def _summon_unit(
         unit.training_state = TrainingState.IDLE
 
 
-def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
+def _gather_grad(handle: FlatParamHandle) -> torch.Tensor | None:
     """The whole flat gradient, or None if no rank has one. With use_orig_params=True a rank holding only frozen
     parameters has none of its own, so the ranks agree first, and such a rank contributes zeros."""
     grad = handle.sharded_grad()
@@ -109,8 +106,7 @@ def _gather(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def _expose(unit: "FullyShardedDataParallel", handle: FlatParamHandle, full: torch.Tensor,
-            full_grad: Optional[torch.Tensor]) -> None:
+def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_grad: torch.Tensor | None) -> None:
     views = {info: full[info.offset : info.offset + info.numel].view(info.shape) for info in handle.layout.params}
     if handle.use_orig_params:
         for info, param in handle.orig_params.items():
@@ -132,7 +128,7 @@ def _expose(unit: "FullyShardedDataParallel", handle: FlatParamHandle, full: tor
         module._parameters[name] = params[info]
 
 
-def _hide(unit: "FullyShardedDataParallel", handle: FlatParamHandle) -> None:
+def _hide(unit: FSDPUnit, handle: FlatParamHandle) -> None:
     if handle.use_orig_params:
         handle._use_sharded_orig_params()
         if not handle.is_unsharded or not handle.uses_buffer:

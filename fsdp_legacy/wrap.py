@@ -22,8 +22,14 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 __all__ = [
-    "always_wrap_policy", "lambda_auto_wrap_policy", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
-    "enable_wrap", "wrap", "CustomPolicy", "ModuleWrapPolicy",
+    "always_wrap_policy",
+    "lambda_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "enable_wrap",
+    "wrap",
+    "CustomPolicy",
+    "ModuleWrapPolicy",
 ]
 
 Kwargs = dict[str, Any]
@@ -59,8 +65,12 @@ def transformer_auto_wrap_policy(
 
 
 def size_based_auto_wrap_policy(
-    module: nn.Module, recurse: bool, nonwrapped_numel: int, min_num_params: int = int(1e8),
-    force_leaf_modules: set[type[nn.Module]] | None = None, exclude_wrap_modules: set[type[nn.Module]] | None = None,
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: set[type[nn.Module]] | None = None,
+    exclude_wrap_modules: set[type[nn.Module]] | None = None,
 ) -> bool:
     """Descend into, and wrap, modules with at least ``min_num_params`` not-yet-wrapped parameters.
 
@@ -219,8 +229,13 @@ def auto_wrap(
 
 
 def _wrap_recursively(
-    module: nn.Module, policy: LegacyPolicy, wrapper_cls: type, ignored_modules: set[nn.Module],
-    ignored_params: set[nn.Parameter], kwargs: Kwargs, is_root: bool = False,
+    module: nn.Module,
+    policy: LegacyPolicy,
+    wrapper_cls: type,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    kwargs: Kwargs,
+    is_root: bool = False,
 ) -> tuple[nn.Module, int]:
     """Wrap within ``module`` (and ``module`` itself unless it is the root) as the legacy policy
     says; return the module to put in its place and the parameter numel now wrapped."""
@@ -297,7 +312,10 @@ def _post_order(root: nn.Module) -> list[Visit]:
 
 
 def _check_uniform_requires_grad(
-    order: list[Visit], targets: Targets, ignored_params: set[nn.Parameter], use_orig_params: bool,
+    order: list[Visit],
+    targets: Targets,
+    ignored_params: set[nn.Parameter],
+    use_orig_params: bool,
 ) -> None:
     """Each unit flattens its own parameters (those not inside a nested unit) together, which needs
     one requires_grad value when use_orig_params=False, and wastes gradient memory otherwise."""
@@ -313,8 +331,10 @@ def _check_uniform_requires_grad(
         msg = f"{fqn} has both parameters with requires_grad=True and False."
         if use_orig_params:
             numel, trainable_numel = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-            msg += (" We do not recommend wrapping such modules since the gradient memory usage will be higher than "
-                    f"expected ({numel} numel instead of {trainable_numel} numel before sharding via reduce-scatter). ")
+            msg += (
+                " We do not recommend wrapping such modules since the gradient memory usage will be higher than "
+                f"expected ({numel} numel instead of {trainable_numel} numel before sharding via reduce-scatter). "
+            )
         else:
             msg += " FSDP does not support wrapping such modules when use_orig_params=False. "
         msg += (

@@ -1,10 +1,12 @@
 """pytest config for fsdp_legacy: puts test/ and the repo root on sys.path and
 provides the ``ranks`` fixture backed by the session-wide rank pools in harness.py."""
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

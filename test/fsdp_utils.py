@@ -2,8 +2,9 @@
 
 import copy
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,22 +32,26 @@ class Config:
     strategy: str = "FULL_SHARD"
     policy: str = "block"  # block | always | size | none
     use_orig_params: bool = False
-    backward_prefetch: Optional[str] = "BACKWARD_PRE"
+    backward_prefetch: str | None = "BACKWARD_PRE"
     forward_prefetch: bool = False
-    no_grad_step: Optional[int] = None  # run an extra torch.no_grad() forward after this step
+    no_grad_step: int | None = None  # run an extra torch.no_grad() forward after this step
     steps: int = 4
     # zero_grad(set_to_none=False) keeps DDP comparable when a step leaves parameters unused on every rank: DDP then
     # has no gradient (SGD skips the parameter) where FSDP has a zero slice of the flat gradient.
     set_to_none: bool = True
-    mixed_precision: Optional[tuple] = None  # (param_dtype, reduce_dtype, buffer_dtype) names, e.g. ("bfloat16",)*3
+    mixed_precision: tuple | None = None  # (param_dtype, reduce_dtype, buffer_dtype) names, e.g. ("bfloat16",)*3
     extra: dict = field(default_factory=dict, hash=False)
 
     def name(self) -> str:
         return "_".join(
             str(v)
             for v in (
-                self.model, self.strategy, self.policy, "uop" if self.use_orig_params else "flat",
-                self.backward_prefetch, "fwdpf" if self.forward_prefetch else "",
+                self.model,
+                self.strategy,
+                self.policy,
+                "uop" if self.use_orig_params else "flat",
+                self.backward_prefetch,
+                "fwdpf" if self.forward_prefetch else "",
                 f"nograd{self.no_grad_step}" if self.no_grad_step is not None else "",
                 "mp_" + "_".join(map(str, self.mixed_precision)) if self.mixed_precision else "",
             )
@@ -105,7 +110,10 @@ def build_torch_fsdp(config: Config, seed: int = 0) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return tfsdp.FullyShardedDataParallel(
-            model, auto_wrap_policy=policy_for(config, twrap), device_id=torch.device("cpu"), **fsdp_kwargs(config, tfsdp)
+            model,
+            auto_wrap_policy=policy_for(config, twrap),
+            device_id=torch.device("cpu"),
+            **fsdp_kwargs(config, tfsdp),
         )
 
 
@@ -146,7 +154,9 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return result
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 1e-6, rtol: float = 1e-5) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 1e-6, rtol: float = 1e-5
+) -> None:
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
@@ -170,7 +180,7 @@ def train_net_with_ddp(ours: nn.Module, reference: nn.Module, steps: int = 2) ->
             opt.zero_grad()
 
 
-def train(model: nn.Module, config: Config, step_fn: Optional[Callable[[int], None]] = None) -> list[float]:
+def train(model: nn.Module, config: Config, step_fn: Callable[[int], None] | None = None) -> list[float]:
     """SGD-with-momentum steps on per-rank data; `step_fn(step)` runs after each backward, before the step."""
     opt = optimizer(model)
     losses = []

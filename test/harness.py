@@ -6,6 +6,7 @@ runs ``fn(*args, **kwargs)`` on every rank and returns the results indexed by ra
 After any failure or timeout the pool is killed (surviving ranks may be blocked in a
 collective forever) and the next call for that world size spawns a fresh one.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -22,8 +23,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,8 +63,14 @@ def _worker(rank: int, ws: int, port: int, conn: Connection, stack_file: str) ->
     # SIGUSR1 dumps all Python stacks to a file the parent reads when we hang.
     stacks = open(stack_file, "w")  # a local keeps it open for the worker's lifetime
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(ws), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ws))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(ws),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(ws),
+    )
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=ws)
@@ -114,8 +122,9 @@ class _Pool:
         try:
             for r in range(ws):
                 parent_end, child_end = _ctx.Pipe()
-                p = _ctx.Process(target=_worker, name=f"ws{ws}-rank{r}",
-                                 args=(r, ws, port, child_end, self._stack_file(r)))
+                p = _ctx.Process(
+                    target=_worker, name=f"ws{ws}-rank{r}", args=(r, ws, port, child_end, self._stack_file(r))
+                )
                 p.start()
                 child_end.close()  # so the parent sees EOF when the child dies
                 self.conns.append(parent_end)
@@ -126,8 +135,7 @@ class _Pool:
             raise
         errors = {r: rep[1] for r, rep in replies.items() if rep[0] == "err"}
         if errors or silent:
-            msg = _report(f"starting {ws} ranks", errors, silent, self.dump_stacks(silent),
-                          STARTUP_TIMEOUT)
+            msg = _report(f"starting {ws} ranks", errors, silent, self.dump_stacks(silent), STARTUP_TIMEOUT)
             self.kill()
             raise RankError(msg, errors, silent)
 
@@ -148,8 +156,7 @@ class _Pool:
                     self.procs[r].join(1)
                     replies[r] = ("err", f"process died (exit code {self.procs[r].exitcode})", False)
                 except Exception:
-                    replies[r] = ("err", "parent could not unpickle the result:\n"
-                                  + traceback.format_exc(), True)
+                    replies[r] = ("err", "parent could not unpickle the result:\n" + traceback.format_exc(), True)
                 if replies[r][0] == "err":
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
         return replies, sorted(pending.values())
@@ -190,8 +197,9 @@ class _Pool:
         self.kill()  # whatever did not exit in time
 
 
-def _report(what: str, errors: dict[int, str], silent: list[int], stacks: dict[int, str],
-            timeout: float | None = None) -> str:
+def _report(
+    what: str, errors: dict[int, str], silent: list[int], stacks: dict[int, str], timeout: float | None = None
+) -> str:
     if silent and not errors and timeout is not None:
         lines = [f"{what} timed out after {timeout} s: ranks {silent} did not answer"]
     else:
@@ -202,8 +210,7 @@ def _report(what: str, errors: dict[int, str], silent: list[int], stacks: dict[i
     for r in sorted(errors):
         lines += [f"===== rank {r} raised =====", errors[r].rstrip()]
     for r in silent:
-        lines += [f"===== rank {r} did not answer; its Python stacks =====",
-                  stacks.get(r) or "(unavailable)"]
+        lines += [f"===== rank {r} did not answer; its Python stacks =====", stacks.get(r) or "(unavailable)"]
     return "\n".join(lines)
 
 
@@ -216,8 +223,9 @@ def _discard(ws: int) -> None:
         pool.kill()
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, /, *args: Any,
-                 timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, /, *args: Any, timeout: float = 120.0, **kwargs: Any
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return results by rank.
 
     ``fn`` must be a module-level function: workers import it by module + qualname.
@@ -241,8 +249,13 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, /, *args: Any,
         raise
     errors = {r: rep[1] for r, rep in replies.items() if rep[0] == "err"}
     if errors or silent:
-        msg = _report(f"run_on_ranks({module}.{qualname}, world_size={world_size})",
-                      errors, silent, pool.dump_stacks(silent), timeout)
+        msg = _report(
+            f"run_on_ranks({module}.{qualname}, world_size={world_size})",
+            errors,
+            silent,
+            pool.dump_stacks(silent),
+            timeout,
+        )
         _discard(world_size)
         raise RankError(msg, errors, silent)
     if not all(rep[2] for rep in replies.values()):

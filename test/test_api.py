@@ -19,18 +19,37 @@ from harness import run_on_ranks
 
 ENUMS = ["ShardingStrategy", "BackwardPrefetch", "StateDictType", "OptimStateKeyType"]
 CONFIGS = [
-    "MixedPrecision", "CPUOffload", "StateDictConfig", "FullStateDictConfig", "LocalStateDictConfig",
-    "ShardedStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig", "LocalOptimStateDictConfig",
+    "MixedPrecision",
+    "CPUOffload",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "LocalStateDictConfig",
+    "ShardedStateDictConfig",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
     "ShardedOptimStateDictConfig",
 ]
 
 
 def test_exports_cover_torch_fsdp1_names() -> None:
     fsdp1_names = {
-        "BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig",
-        "FullyShardedDataParallel", "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision",
-        "OptimStateDictConfig", "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig",
-        "ShardingStrategy", "StateDictConfig", "StateDictSettings", "StateDictType",
+        "BackwardPrefetch",
+        "CPUOffload",
+        "FullOptimStateDictConfig",
+        "FullStateDictConfig",
+        "FullyShardedDataParallel",
+        "LocalOptimStateDictConfig",
+        "LocalStateDictConfig",
+        "MixedPrecision",
+        "OptimStateDictConfig",
+        "OptimStateKeyType",
+        "ShardedOptimStateDictConfig",
+        "ShardedStateDictConfig",
+        "ShardingStrategy",
+        "StateDictConfig",
+        "StateDictSettings",
+        "StateDictType",
     }
     assert fsdp1_names <= set(torch_fsdp.__all__)
     assert fsdp1_names <= set(fsdp_legacy.__all__)
@@ -171,8 +190,11 @@ def test_errors() -> None:
 
 
 def _tied_across_units() -> None:
-    with pytest.raises(ValueError, match=r"Parameter 'weight' of Linear is tied to 'weight' of the FSDP unit wrapping "
-                       r"Embedding.*change the auto_wrap_policy"):
+    with pytest.raises(
+        ValueError,
+        match=r"Parameter 'weight' of Linear is tied to 'weight' of the FSDP unit wrapping "
+        r"Embedding.*change the auto_wrap_policy",
+    ):
         FSDP(models.Transformer(), auto_wrap_policy=ModuleWrapPolicy({nn.Embedding, nn.Linear}))
 
 

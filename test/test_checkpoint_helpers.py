@@ -4,7 +4,6 @@
 import warnings
 from typing import Any
 
-import models
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
+import models
 from fsdp_legacy import checkpoint as our_dsd
 from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of
 from harness import run_on_ranks
@@ -80,8 +80,8 @@ def _load_into_fresh_ours(use_orig_params: bool, path: str):
 def test_round_trip_through_dcp_continues_identically(tmp_path, use_orig_params: bool) -> None:
     expected = run_on_ranks(_save, 2, use_orig_params, str(tmp_path))
     actual = run_on_ranks(_load_into_fresh_ours, 2, not use_orig_params, str(tmp_path))
-    for want, got in zip(expected, actual):
-        for step, (a, b) in enumerate(zip(got, want)):
+    for want, got in zip(expected, actual, strict=True):
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
             assert_close(a, b, f"loss {step + 2}")
 
 
@@ -107,7 +107,7 @@ def _assert_same(ours: Any, theirs: Any, where: str = "") -> None:
             _assert_same(ours[key], theirs[key], f"{where}.{key}")
     elif isinstance(ours, (list, tuple)):
         assert type(ours) is type(theirs) and len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs)):
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             _assert_same(a, b, f"{where}[{i}]")
     elif isinstance(ours, torch.Tensor):
         assert type(ours) is type(theirs), f"{where}: {type(ours)} != {type(theirs)}"
@@ -143,8 +143,10 @@ def _get_both(model: str, use_orig_params: bool, count: int, kwargs: dict) -> No
     ours, our_optims = _trained("ours", model, use_orig_params, count)
     theirs, their_optims = _trained("torch", model, use_orig_params, count)
     options = StateDictOptions(**kwargs)
-    _assert_same(our_dsd.get_state_dict(ours, our_optims, options=options),
-                 torch_dsd.get_state_dict(theirs, their_optims, options=options))
+    _assert_same(
+        our_dsd.get_state_dict(ours, our_optims, options=options),
+        torch_dsd.get_state_dict(theirs, their_optims, options=options),
+    )
 
 
 GET_CASES = {  # name: (model, optimizers, options)
@@ -170,8 +172,11 @@ def _get_offloaded(model: str, use_orig_params: bool, ignore_frozen: bool) -> No
     on rank 0 torch's full dicts without offloading (frozen parameters dropped), {} elsewhere."""
     ours, our_optims = _trained("ours", model, use_orig_params, 2)
     theirs, their_optims = _trained("torch", model, use_orig_params, 2)
-    got = our_dsd.get_state_dict(ours, our_optims, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=ignore_frozen))
+    got = our_dsd.get_state_dict(
+        ours,
+        our_optims,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=ignore_frozen),
+    )
     model_sd, optim_sd = torch_dsd.get_state_dict(theirs, their_optims, options=StateDictOptions(full_state_dict=True))
     if dist.get_rank():
         assert got == ({}, {})
@@ -210,8 +215,10 @@ SET_CASES = {
     "flatten_sharded": (1, dict(flatten_optimizer_state_dict=True)),
     "flatten_full_2optims": (2, dict(flatten_optimizer_state_dict=True, full_state_dict=True)),
     "broadcast_from_rank0_2optims": (2, dict(broadcast_from_rank0=True, full_state_dict=True)),
-    "broadcast_from_rank0_flatten": (1, dict(broadcast_from_rank0=True, full_state_dict=True,
-                                             flatten_optimizer_state_dict=True)),
+    "broadcast_from_rank0_flatten": (
+        1,
+        dict(broadcast_from_rank0=True, full_state_dict=True, flatten_optimizer_state_dict=True),
+    ),
 }
 
 
@@ -224,7 +231,9 @@ def test_set_options_restore_the_saved_state(case: str, source: str, use_orig_pa
 
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_broadcast_from_rank0_at_other_world_sizes(world_size: int) -> None:
-    run_on_ranks(_load_restores, world_size, "torch", "net", True, 2, dict(broadcast_from_rank0=True, full_state_dict=True))
+    run_on_ranks(
+        _load_restores, world_size, "torch", "net", True, 2, dict(broadcast_from_rank0=True, full_state_dict=True)
+    )
 
 
 def _frozen_load(use_orig_params: bool, full: bool) -> None:
@@ -237,8 +246,9 @@ def _frozen_load(use_orig_params: bool, full: bool) -> None:
     options = StateDictOptions(ignore_frozen_params=True, full_state_dict=full, strict=False)
     model_sd, optim_sd = our_dsd.get_state_dict(src, src_optims, options=options)
     assert not any(key.startswith("stem.") for key in model_sd) and "stem.0.weight" in expected
-    incompatible = our_dsd.set_state_dict(dst, dst_optims, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                                          options=options)
+    incompatible = our_dsd.set_state_dict(
+        dst, dst_optims, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+    )
     assert sorted(incompatible.missing_keys) == ["stem.0.bias", "stem.0.weight"]
     got = our_dsd.get_model_state_dict(dst, options=full_options)
     _assert_same(got, {k: (own if k.startswith("stem.") else expected)[k] for k in expected})
@@ -264,7 +274,9 @@ def _submodules(use_orig_params: bool) -> None:
             expected = torch_dsd.get_state_dict(theirs, their_optims, submodules=picks[1], options=options)
         _assert_same(got, expected)  # the optimizer's dict is not filtered, in torch either
         assert sorted(got[0]) == sorted(f"{'block.' if keep else ''}{k}" for k in models.Block().state_dict())
-        deprecations = [[str(w.message) for w in ws if w.category is FutureWarning] for ws in (our_warnings, their_warnings)]
+        deprecations = [
+            [str(w.message) for w in ws if w.category is FutureWarning] for ws in (our_warnings, their_warnings)
+        ]
         assert deprecations[0] == deprecations[1] and len(deprecations[0]) == 1
 
     # The deprecated {submodule: its dict} form of set_model_state_dict, with torch's warning.

@@ -15,8 +15,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from fsdp_utils import Config, build_ours, full_params
-from harness import run_on_ranks
 
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType
@@ -24,6 +22,8 @@ from fsdp_legacy.convert import CheckpointError, FlatParamRecord, ParamRecord, c
 from fsdp_legacy.convert.dcp_files import write_dcp
 from fsdp_legacy.convert.flat import Flattened
 from fsdp_legacy.convert.torch_file import TorchFile
+from fsdp_utils import Config, build_ours, full_params
+from harness import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,9 +38,13 @@ def full_checkpoint(path, with_layout: bool = True, **model_overrides) -> dict:
     torch.manual_seed(0)
     model = {"w": torch.randn(3, 4), "b": torch.randn(3), "buf": torch.arange(2.0), **model_overrides}
     model = {k: v for k, v in model.items() if v is not None}
-    state = {"model": model,
-             "optim": {"state": {"w": {"step": torch.tensor(2.0), "exp_avg": torch.randn(3, 4)}},
-                       "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w", "b"]}]}}
+    state = {
+        "model": model,
+        "optim": {
+            "state": {"w": {"step": torch.tensor(2.0), "exp_avg": torch.randn(3, 4)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w", "b"]}],
+        },
+    }
     if with_layout:
         state["layout"] = {"_flat_param_meta": record().to_tensor()}
     torch.save(state, path)
@@ -74,8 +78,9 @@ def test_every_torch_load_is_weights_only() -> None:
     """No torch.load in the package or the tools without weights_only=True, but the one that reads per-rank LOCAL
     files, with the restricted pickle module of convert/loading.py (which allows only an explicit list of globals)."""
     offenders, restricted = [], []
-    for file in glob.glob(os.path.join(REPO, "fsdp_legacy", "**", "*.py"), recursive=True) + \
-            glob.glob(os.path.join(REPO, "tools", "*.py")):
+    for file in glob.glob(os.path.join(REPO, "fsdp_legacy", "**", "*.py"), recursive=True) + glob.glob(
+        os.path.join(REPO, "tools", "*.py")
+    ):
         for node in ast.walk(ast.parse(open(file).read())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
                 keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
@@ -83,8 +88,11 @@ def test_every_torch_load_is_weights_only() -> None:
                 if keywords.get("weights_only") == "True":
                     continue
                 in_loading = os.path.relpath(file, REPO) == os.path.join("fsdp_legacy", "convert", "loading.py")
-                if in_loading and keywords.get("pickle_module") == "_RANK_FILE_PICKLE" and \
-                        keywords.get("weights_only") == "False":
+                if (
+                    in_loading
+                    and keywords.get("pickle_module") == "_RANK_FILE_PICKLE"
+                    and keywords.get("weights_only") == "False"
+                ):
                     restricted.append(where)
                 else:
                     offenders.append(where)
@@ -153,15 +161,21 @@ def test_truncated_files(tmp_path) -> None:
     convert_checkpoint(source, str(tmp_path / "dcp"), to="dcp")
     data = open(source, "rb").read()
     open(source, "wb").write(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"source\.pt is not a readable torch.save archive .*truncated or "
-                                              r"corrupted.*Restore it from a copy"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"source\.pt is not a readable torch.save archive .*truncated or "
+        r"corrupted.*Restore it from a copy",
+    ):
         convert_checkpoint(source, str(tmp_path / "out.pt"), to="full")
 
     item = str(tmp_path / "dcp" / "__0_0.distcp")
     data = open(item, "rb").read()
     open(item, "wb").write(data[: len(data) - 100])
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp \(the item of .* at byte \d+\) is not a readable "
-                                              r"torch.save archive .*truncated or corrupted"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"__0_0\.distcp \(the item of .* at byte \d+\) is not a readable "
+        r"torch.save archive .*truncated or corrupted",
+    ):
         convert_checkpoint(str(tmp_path / "dcp"), str(tmp_path / "out.pt"), to="full")
 
     metadata = str(tmp_path / "dcp" / ".metadata")
@@ -178,16 +192,18 @@ def test_a_flipped_bit_is_found(tmp_path) -> None:
     state = full_checkpoint(source)
     convert_checkpoint(source, str(tmp_path / "dcp"), to="dcp")
     needle = state["model"]["w"].numpy().tobytes()
-    for path, what in ((source, r"source\.pt is corrupted: its record '.*/data/\d+' does not match the CRC-32"),
-                       (str(tmp_path / "dcp" / "__0_0.distcp"),
-                        r"__0_0\.distcp \(the item of model\.w at byte \d+\) is corrupted")):
+    for path, what in (
+        (source, r"source\.pt is corrupted: its record '.*/data/\d+' does not match the CRC-32"),
+        (str(tmp_path / "dcp" / "__0_0.distcp"), r"__0_0\.distcp \(the item of model\.w at byte \d+\) is corrupted"),
+    ):
         data = bytearray(open(path, "rb").read())
         data[data.index(needle) + 5] ^= 0x01
         open(path, "wb").write(data)
         assert torch.load(source, weights_only=True)["model"]["w"].shape == (3, 4)  # torch.load alone does not notice
         with pytest.raises(CheckpointError, match=what + r".*Restore the file from a copy"):
-            convert_checkpoint(os.path.dirname(path) if path.endswith("distcp") else path,
-                               str(tmp_path / "out.pt"), to="full")
+            convert_checkpoint(
+                os.path.dirname(path) if path.endswith("distcp") else path, str(tmp_path / "out.pt"), to="full"
+            )
 
 
 def test_a_missing_file(tmp_path) -> None:
@@ -195,8 +211,11 @@ def test_a_missing_file(tmp_path) -> None:
     full_checkpoint(source)
     convert_checkpoint(source, str(tmp_path / "dcp"), to="dcp")
     os.remove(tmp_path / "dcp" / "__0_0.distcp")
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp, which holds .*, is missing: the checkpoint is "
-                                              r"incomplete \(copy every file of the directory\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"__0_0\.distcp, which holds .*, is missing: the checkpoint is "
+        r"incomplete \(copy every file of the directory\)",
+    ):
         convert_checkpoint(str(tmp_path / "dcp"), str(tmp_path / "out.pt"), to="full")
     os.remove(tmp_path / "dcp" / ".metadata")
     with pytest.raises(CheckpointError, match=r"dcp is a directory without a DCP \.metadata file"):
@@ -207,21 +226,30 @@ def test_pickled_code_is_refused(tmp_path) -> None:
     marker = str(tmp_path / "pwned")
     state = {"model": {"w": torch.zeros(2)}, "extra": Evil(marker)}
     torch.save(state, tmp_path / "evil.pt")
-    with pytest.raises(CheckpointError, match=r"evil\.pt holds pickled Python objects other than tensors .*"
-                                              r"(posix|os)\.system.*could run arbitrary code, so it is refused"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"evil\.pt holds pickled Python objects other than tensors .*"
+        r"(posix|os)\.system.*could run arbitrary code, so it is refused",
+    ):
         convert_checkpoint(str(tmp_path / "evil.pt"), str(tmp_path / "out"), to="dcp")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(tmp_path / "evil_dcp"), no_dist=True)
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp \(the item of extra at byte \d+\) holds pickled "
-                                              r"Python objects.*refused"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"__0_0\.distcp \(the item of extra at byte \d+\) holds pickled "
+        r"Python objects.*refused",
+    ):
         convert_checkpoint(str(tmp_path / "evil_dcp"), str(tmp_path / "out"), to="full")
 
     with open(tmp_path / "evil_dcp" / ".metadata", "wb") as handle:
         pickle.dump(Evil(marker), handle)
-    with pytest.raises(CheckpointError, match=r"\.metadata refers to (posix|os)\.system, which DCP metadata never "
-                                              r"holds: unpickling it could run arbitrary code, so it is refused"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"\.metadata refers to (posix|os)\.system, which DCP metadata never "
+        r"holds: unpickling it could run arbitrary code, so it is refused",
+    ):
         convert_checkpoint(str(tmp_path / "evil_dcp"), str(tmp_path / "out"), to="full")
     assert not os.path.exists(marker), "nothing was executed"
 
@@ -245,13 +273,19 @@ def test_pickled_code_in_per_rank_files_is_refused(tmp_path) -> None:
     # "ShardedTensor" in the pickle makes the directory's file look like a rank file
     torch.save({"model": {"w": torch.zeros(2)}, "ShardedTensor": Evil(marker)}, ranks / "rank0.pt")
     for source in (str(ranks), [str(ranks / "rank0.pt")]):
-        with pytest.raises(CheckpointError, match=r"rank0\.pt names (posix|os)\.system, which a per-rank LOCAL state "
-                                                  r"dict file never holds: refused: this loader never runs code from "
-                                                  r"a checkpoint"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"rank0\.pt names (posix|os)\.system, which a per-rank LOCAL state "
+            r"dict file never holds: refused: this loader never runs code from "
+            r"a checkpoint",
+        ):
             convert_checkpoint(source, str(tmp_path / "out.pt"), to="full")
     torch.save({"model": {"w": EvilGetattr()}}, ranks / "rank0.pt")
-    with pytest.raises(CheckpointError, match=r"rank0\.pt names getattr\(ShardedTensor, '__setstate__'\).*refused: "
-                                              r"this loader never runs code"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"rank0\.pt names getattr\(ShardedTensor, '__setstate__'\).*refused: "
+        r"this loader never runs code",
+    ):
         convert_checkpoint(str(ranks), str(tmp_path / "out.pt"), to="full")
     assert not os.path.exists(marker), "nothing was executed"
     assert not os.path.exists(tmp_path / "out.pt")
@@ -281,14 +315,20 @@ def test_per_rank_files_missing_or_duplicated(tmp_path) -> None:
     convert_checkpoint(str(ranks), str(tmp_path / "renamed.pt"), to="full")
     with open(ranks / "rank0.pt", "rb") as src, open(ranks / "rank1.pt", "wb") as dst:
         dst.write(src.read())
-    with pytest.raises(CheckpointError, match=r"rank1\.pt and .*rank0\.pt are both rank 0's LOCAL state dict .*"
-                                              r"Pass exactly one file per rank"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"rank1\.pt and .*rank0\.pt are both rank 0's LOCAL state dict .*"
+        r"Pass exactly one file per rank",
+    ):
         convert_checkpoint(str(ranks), str(tmp_path / "out.pt"), to="full")
     os.remove(ranks / "rank1.pt")
     os.remove(ranks / "rank0_copy.pt")
-    with pytest.raises(CheckpointError, match=r"ranks: the LOCAL state dict was saved by 2 ranks, but the file of "
-                                              r"rank\(s\) \[1\] is missing \(found ranks \[0\]: rank0\.pt\)\. "
-                                              r"Copy every rank's file"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"ranks: the LOCAL state dict was saved by 2 ranks, but the file of "
+        r"rank\(s\) \[1\] is missing \(found ranks \[0\]: rank0\.pt\)\. "
+        r"Copy every rank's file",
+    ):
         convert_checkpoint(str(ranks), str(tmp_path / "out.pt"), to="full")
     with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\] is missing"):  # one rank's file alone
         convert_checkpoint(str(ranks / "rank0.pt"), str(tmp_path / "out.pt"), to="full")
@@ -303,11 +343,20 @@ def test_missing_key_shape_and_dtype_mismatch(tmp_path) -> None:
     """Laying a checkpoint out as flat parameters checks every parameter the layout holds."""
     cases = [
         ({"b": None}, r"model\.b in .*source\.pt is missing: the layout of _flat_param holds it.*--layout-from"),
-        ({"w": torch.zeros(4, 3)}, (r"size mismatch for model\.w in .*source\.pt: \(4, 3\) in the checkpoint, "
-                                    r"\(3, 4\) in the layout of _flat_param")),
-        ({"b": torch.zeros(3, dtype=torch.float64)},
-         (r"dtype mismatch for model\.b in .*source\.pt: torch\.float64 in the checkpoint, but the flat parameter "
-          r"_flat_param holds torch\.float32\. Convert the checkpoint's tensors to torch\.float32 first")),
+        (
+            {"w": torch.zeros(4, 3)},
+            (
+                r"size mismatch for model\.w in .*source\.pt: \(4, 3\) in the checkpoint, "
+                r"\(3, 4\) in the layout of _flat_param"
+            ),
+        ),
+        (
+            {"b": torch.zeros(3, dtype=torch.float64)},
+            (
+                r"dtype mismatch for model\.b in .*source\.pt: torch\.float64 in the checkpoint, but the flat "
+                r"parameter _flat_param holds torch\.float32\. Convert the checkpoint's tensors to torch\.float32 first"
+            ),
+        ),
     ]
     for overrides, message in cases:
         full_checkpoint(tmp_path / "source.pt", **overrides)
@@ -323,19 +372,28 @@ def test_unexpected_keys(tmp_path) -> None:
     state = full_checkpoint(tmp_path / "source.pt")
     orphan = {"model": {**state["model"], "_flat_param_meta": record().to_tensor()}}
     torch.save(orphan, tmp_path / "orphan.pt")
-    with pytest.raises(CheckpointError, match=r"orphan\.pt has the layout record model\._flat_param_meta but no flat "
-                                              r"parameter model\._flat_param"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"orphan\.pt has the layout record model\._flat_param_meta but no flat "
+        r"parameter model\._flat_param",
+    ):
         convert_checkpoint(str(tmp_path / "orphan.pt"), str(tmp_path / "out"), to="dcp")
     stray = {**state, "optim": {**state["optim"], "state": {"head.weight": {"step": torch.tensor(1.0)}}}}
     torch.save(stray, tmp_path / "stray.pt")
-    with pytest.raises(CheckpointError, match=r"optim\.state\.head\.weight\.step in .*stray\.pt: the optimizer state "
-                                              r"names a parameter the model section does not have"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"optim\.state\.head\.weight\.step in .*stray\.pt: the optimizer state "
+        r"names a parameter the model section does not have",
+    ):
         convert_checkpoint(str(tmp_path / "stray.pt"), str(tmp_path / "out"), to="dcp")
     full_checkpoint(tmp_path / "source.pt")
     ids = {"model": {"w": torch.zeros(3, 4)}, "optim": {"state": {0: {}}, "param_groups": []}}
     torch.save(ids, tmp_path / "ids.pt")
-    with pytest.raises(CheckpointError, match=r"ids\.pt: optim\.state has the key 0; only str keys are supported.*"
-                                              r"FSDP\.optim_state_dict\(model, optim\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"ids\.pt: optim\.state has the key 0; only str keys are supported.*"
+        r"FSDP\.optim_state_dict\(model, optim\)",
+    ):
         convert_checkpoint(str(tmp_path / "ids.pt"), str(tmp_path / "out"), to="dcp")
 
 
@@ -348,17 +406,29 @@ def test_layout_from_must_fit(tmp_path) -> None:
     for numel in (12, 16):
         torch.save({"model": {"_flat_param": flat[:numel]}}, tmp_path / "torch_local.pt")
         if numel == 12:
-            with pytest.raises(CheckpointError, match=r"model\._flat_param in .*torch_local\.pt holds 12 torch\.float32 "
-                                                      r"elements but its layout record describes 16"):
-                convert_checkpoint(str(tmp_path / "torch_local.pt"), str(tmp_path / "out.pt"), to="full",
-                                   layout_from=str(tmp_path / "layout.pt"))
-    convert_checkpoint(str(tmp_path / "torch_local.pt"), str(tmp_path / "out.pt"), to="full",
-                       layout_from=str(tmp_path / "layout.pt"))
+            with pytest.raises(
+                CheckpointError,
+                match=r"model\._flat_param in .*torch_local\.pt holds 12 torch\.float32 "
+                r"elements but its layout record describes 16",
+            ):
+                convert_checkpoint(
+                    str(tmp_path / "torch_local.pt"),
+                    str(tmp_path / "out.pt"),
+                    to="full",
+                    layout_from=str(tmp_path / "layout.pt"),
+                )
+    convert_checkpoint(
+        str(tmp_path / "torch_local.pt"), str(tmp_path / "out.pt"), to="full", layout_from=str(tmp_path / "layout.pt")
+    )
     model = torch.load(tmp_path / "out.pt", weights_only=True)["model"]
     assert torch.equal(model["w"], flat[:12].view(3, 4)) and torch.equal(model["b"], flat[12:15])
     with pytest.raises(CheckpointError, match=r"nothing\.pt \(the layout to use\) carries no flat-parameter layout"):
-        convert_checkpoint(str(tmp_path / "torch_local.pt"), str(tmp_path / "out2.pt"), to="full",
-                           layout_from=str(tmp_path / "nothing.pt"))
+        convert_checkpoint(
+            str(tmp_path / "torch_local.pt"),
+            str(tmp_path / "out2.pt"),
+            to="full",
+            layout_from=str(tmp_path / "nothing.pt"),
+        )
 
 
 def test_local_checkpoint_from_another_world_size_on_disk(tmp_path) -> None:
@@ -370,16 +440,21 @@ def test_local_checkpoint_from_another_world_size_on_disk(tmp_path) -> None:
         assert four != [((o,), (n,)) for o, n in record(2).rank_chunks()]
         four[-1] = ((four[-1][0][0],), (record(2).numel - four[-1][0][0],))  # the 2-rank numel, cut as 4 ranks would
         write_dcp(flat, str(tmp_path / "local"), {("model", "_flat_param"): four}, lambda *_: None)
-    with pytest.raises(CheckpointError, match=r"model\._flat_param in .*local is stored in chunks .* but its layout "
-                                              r"record says it was saved at world size 2.*different saves"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\._flat_param in .*local is stored in chunks .* but its layout "
+        r"record says it was saved at world size 2.*different saves",
+    ):
         convert_checkpoint(str(tmp_path / "local"), str(tmp_path / "out.pt"), to="full")
 
 
 def test_damaged_layout_record_on_disk(tmp_path) -> None:
     state = full_checkpoint(tmp_path / "source.pt")
     convert_checkpoint(str(tmp_path / "source.pt"), str(tmp_path / "local"), to="local")
-    cases = [(torch.tensor([1, 2, 3], dtype=torch.uint8), "the flat-parameter layout record is not readable"),
-             (torch.zeros(3), "a flat-parameter layout record must be a 1-D uint8 tensor")]
+    cases = [
+        (torch.tensor([1, 2, 3], dtype=torch.uint8), "the flat-parameter layout record is not readable"),
+        (torch.zeros(3), "a flat-parameter layout record must be a 1-D uint8 tensor"),
+    ]
     for bad, message in cases:
         torch.save({**state, "layout": {"_flat_param_meta": bad}}, tmp_path / "bad.pt")
         with pytest.raises(CheckpointError, match=r"layout\._flat_param_meta in .*bad\.pt: " + message):
@@ -423,11 +498,26 @@ def test_local_load_checks_the_record() -> None:
     with the conversion command; a record of another unit and a damaged record are refused too."""
     config = Config("net", use_orig_params=True)
     saved = run_on_ranks(_local, 2, config)[0]
-    run_on_ranks(_load_with_records, 4, config, {"_flat_param_meta": saved["_flat_param_meta"]},
-                 r"_flat_param is a LOCAL_STATE_DICT saved with world size 2 but this model runs with world size 4.*"
-                 r"tools/convert_checkpoint\.py CHECKPOINT NEW_CHECKPOINT --to local --world-size 4")
-    run_on_ranks(_load_with_records, 2, config, {"_flat_param_meta": saved["block._flat_param_meta"]},
-                 r"_flat_param: the checkpoint's flat parameter holds \[fc1\.weight \[5, 5\]@0, .*this model's holds "
-                 r"\[l1\.weight \[5, 3\]@0, .*--layout-from")
-    run_on_ranks(_load_with_records, 2, config, {"_flat_param_meta": torch.zeros(4, dtype=torch.uint8)},
-                 r"_flat_param_meta: the flat-parameter layout record is not readable")
+    run_on_ranks(
+        _load_with_records,
+        4,
+        config,
+        {"_flat_param_meta": saved["_flat_param_meta"]},
+        r"_flat_param is a LOCAL_STATE_DICT saved with world size 2 but this model runs with world size 4.*"
+        r"tools/convert_checkpoint\.py CHECKPOINT NEW_CHECKPOINT --to local --world-size 4",
+    )
+    run_on_ranks(
+        _load_with_records,
+        2,
+        config,
+        {"_flat_param_meta": saved["block._flat_param_meta"]},
+        r"_flat_param: the checkpoint's flat parameter holds \[fc1\.weight \[5, 5\]@0, .*this model's holds "
+        r"\[l1\.weight \[5, 3\]@0, .*--layout-from",
+    )
+    run_on_ranks(
+        _load_with_records,
+        2,
+        config,
+        {"_flat_param_meta": torch.zeros(4, dtype=torch.uint8)},
+        r"_flat_param_meta: the flat-parameter layout record is not readable",
+    )

@@ -18,9 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as torch_fsdp
-from fsdp_utils import MODELS, Config, build_ours, build_torch_fsdp
-from harness import run_on_ranks
-from test_optim_state import adam, load_into_fsdp2, load_model, model_sd, osd, to_load, train
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 import fsdp_legacy
@@ -28,6 +25,9 @@ from fsdp_legacy.convert import CheckpointError, convert_checkpoint, open_checkp
 from fsdp_legacy.convert.checkpoint import Checkpoint, Path
 from fsdp_legacy.convert.dcp_files import write_dcp
 from fsdp_legacy.convert.torch_file import write_torch_file
+from fsdp_utils import MODELS, Config, build_ours, build_torch_fsdp
+from harness import run_on_ranks
+from test_optim_state import adam, load_into_fsdp2, load_model, model_sd, osd, to_load, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL, LOCAL = "FULL_STATE_DICT", "LOCAL_STATE_DICT"
@@ -46,8 +46,10 @@ def _save_local(config: Config, path: str, impl: str = "ours") -> dict:
     train(model, optim, config, range(2))
     dcp.save({"model": model_sd(model, lib, LOCAL), "optim": osd(model, optim, lib, LOCAL)}, checkpoint_id=path)
     # torch's default offload_to_cpu=True returns wrong values on CPU (FACTS CPU bug #2)
-    return {"model": model_sd(model, lib, FULL),
-            "optim": osd(model, optim, lib, FULL, lib.FullOptimStateDictConfig(offload_to_cpu=False))}
+    return {
+        "model": model_sd(model, lib, FULL),
+        "optim": osd(model, optim, lib, FULL, lib.FullOptimStateDictConfig(offload_to_cpu=False)),
+    }
 
 
 def _load_local(config: Config, path: str) -> dict:
@@ -84,8 +86,10 @@ def _fsdp2_load(config: Config, path: str) -> dict:
     optim = adam(model)
     load_into_fsdp2(model, optim, path)
     full = StateDictOptions(full_state_dict=True)
-    return {"model": get_model_state_dict(model, options=full),
-            "optim": get_optimizer_state_dict(model, optim, options=full)}
+    return {
+        "model": get_model_state_dict(model, options=full),
+        "optim": get_optimizer_state_dict(model, optim, options=full),
+    }
 
 
 def _save_rank_files(config: Config, directory: str, impl: str = "ours", with_optim: bool = False) -> dict:
@@ -99,8 +103,10 @@ def _save_rank_files(config: Config, directory: str, impl: str = "ours", with_op
     train(model, optim, config, range(2))
     name = f"shard-{dist.get_world_size() - 1 - dist.get_rank()}.pt"
     if with_optim:
-        torch.save({"model": model_sd(model, lib, LOCAL), "optim": osd(model, optim, lib, LOCAL)},
-                   os.path.join(directory, name))
+        torch.save(
+            {"model": model_sd(model, lib, LOCAL), "optim": osd(model, optim, lib, LOCAL)},
+            os.path.join(directory, name),
+        )
         return {"model": model_sd(model, lib, FULL), "optim": osd(model, optim, lib, FULL)}
     torch.save(model_sd(model, lib, LOCAL), os.path.join(directory, name))
     return model_sd(model, lib, FULL)
@@ -124,13 +130,14 @@ def _fsdp2_load_model(config: Config, path: str) -> dict:
 def assert_same(actual: Any, expected: Any, what: str) -> None:
     """Exactly equal nested state dicts: same keys, and tensors equal bit for bit with the same dtype."""
     if isinstance(expected, dict):
-        assert isinstance(actual, dict) and set(actual) == set(expected), \
+        assert isinstance(actual, dict) and set(actual) == set(expected), (
             f"{what}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"
+        )
         for key in expected:
             assert_same(actual[key], expected[key], f"{what}.{key}")
     elif isinstance(expected, list):
         assert isinstance(actual, list) and len(actual) == len(expected), what
-        for index, (a, e) in enumerate(zip(actual, expected)):
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_same(a, e, f"{what}[{index}]")
     elif isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, what
@@ -144,8 +151,9 @@ def as_tree(path: str) -> dict:
     from fsdp_legacy.convert.checkpoint import TensorMeta, unflatten
 
     with open_checkpoint(path) as checkpoint:
-        return unflatten({p: checkpoint.read(p) if isinstance(v, TensorMeta) else v
-                          for p, v in checkpoint.leaves.items()})
+        return unflatten(
+            {p: checkpoint.read(p) if isinstance(v, TensorMeta) else v for p, v in checkpoint.leaves.items()}
+        )
 
 
 def without_layout(tree: dict) -> dict:
@@ -173,8 +181,12 @@ def test_round_trip_local_dcp_full_local(tmp_path, config: Config) -> None:
         convert_checkpoint(full, str(tmp_path / "local2"), to="local"),
         convert_checkpoint(full, str(tmp_path / "local4"), to="local", world_size=4),
     ]
-    assert [(r.source_format, r.target_format) for r in reports] == \
-           [("local", "dcp"), ("dcp", "full"), ("full", "local"), ("full", "local")]
+    assert [(r.source_format, r.target_format) for r in reports] == [
+        ("local", "dcp"),
+        ("dcp", "full"),
+        ("full", "local"),
+        ("full", "local"),
+    ]
     assert all(r.verified == r.tensors > 0 for r in reports)
 
     stored = torch.load(full, weights_only=True)  # what users load: original FQNs, FULL formats
@@ -218,9 +230,12 @@ def test_torch_fsdp1_local_checkpoint_needs_a_layout(tmp_path) -> None:
     theirs, ours = str(tmp_path / "torch_local"), str(tmp_path / "ours_local")
     expected = run_on_ranks(_save_local, 2, config, theirs, "torch")[0]
     run_on_ranks(_save_local, 4, config, ours)
-    with pytest.raises(CheckpointError, match=r"model\.blocks\.0\._flat_param in .*torch_local is a flat parameter "
-                                              r"without a layout record \(model\.blocks\.0\._flat_param_meta\).*"
-                                              r"--layout-from"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.blocks\.0\._flat_param in .*torch_local is a flat parameter "
+        r"without a layout record \(model\.blocks\.0\._flat_param_meta\).*"
+        r"--layout-from",
+    ):
         convert_checkpoint(theirs, str(tmp_path / "full.pt"), to="full")
     assert not os.path.exists(tmp_path / "full.pt")
     convert_checkpoint(theirs, str(tmp_path / "full.pt"), to="full", layout_from=ours)
@@ -240,8 +255,11 @@ def test_torch_fsdp1_per_rank_local_files(tmp_path) -> None:
     expected = run_on_ranks(_save_rank_files, 2, config, str(theirs), "torch")[0]
     run_on_ranks(_save_local, 4, config, ours)
     assert not dist.is_initialized()
-    with pytest.raises(CheckpointError, match=r"model\.blocks\.0\._flat_param in .*torch_ranks is a flat parameter "
-                                              r"without a layout record.*--layout-from"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.blocks\.0\._flat_param in .*torch_ranks is a flat parameter "
+        r"without a layout record.*--layout-from",
+    ):
         convert_checkpoint(str(theirs), str(tmp_path / "full.pt"), to="full")
     report = convert_checkpoint(str(theirs), str(tmp_path / "full.pt"), to="full", layout_from=ours)
     assert report.source_format == "local" and report.verified == report.tensors > 0
@@ -249,8 +267,7 @@ def test_torch_fsdp1_per_rank_local_files(tmp_path) -> None:
     assert_same(stored["model"], expected, "torch FSDP1 per-rank LOCAL files -> full")
     # a glob and a list of the files name the same checkpoint
     convert_checkpoint(str(theirs / "shard-*.pt"), str(tmp_path / "glob.pt"), to="full", layout_from=ours)
-    convert_checkpoint(sorted(str(f) for f in theirs.iterdir()), str(tmp_path / "list.pt"), to="full",
-                       layout_from=ours)
+    convert_checkpoint(sorted(str(f) for f in theirs.iterdir()), str(tmp_path / "list.pt"), to="full", layout_from=ours)
     for other in ("glob.pt", "list.pt"):
         assert_same(torch.load(tmp_path / other, weights_only=True)["model"], expected, other)
 
@@ -265,8 +282,15 @@ def test_our_per_rank_local_files(tmp_path, config: Config) -> None:
     convert_checkpoint(str(ranks), str(tmp_path / "full.pt"), to="full")
     assert_same(torch.load(tmp_path / "full.pt", weights_only=True)["model"], expected, "per-rank files -> full")
 
-    command = [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), str(ranks),
-               str(tmp_path / "dcp"), "--to", "dcp", "--quiet"]
+    command = [
+        sys.executable,
+        os.path.join(REPO, "tools", "convert_checkpoint.py"),
+        str(ranks),
+        str(tmp_path / "dcp"),
+        "--to",
+        "dcp",
+        "--quiet",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
     assert done.returncode == 0 and "(local) -> " in done.stdout, done.stderr
     assert_same(run_on_ranks(_fsdp2_load_model, 1, config, str(tmp_path / "dcp"))[0], expected, "FSDP2 at 1 rank")
@@ -326,9 +350,13 @@ class _Counted(Checkpoint):
 @pytest.mark.parametrize("target", ["dcp", "full"])
 def test_writers_hold_one_source_tensor_at_a_time(tmp_path, target: str) -> None:
     torch.manual_seed(0)
-    state = {"model": {f"layer{i}.weight": torch.randn(64, 32) for i in range(12)},
-             "optim": {"state": {"layer0.weight": {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 32)}},
-                       "param_groups": [{"lr": 0.1, "params": ["layer0.weight"]}]}}
+    state = {
+        "model": {f"layer{i}.weight": torch.randn(64, 32) for i in range(12)},
+        "optim": {
+            "state": {"layer0.weight": {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 32)}},
+            "param_groups": [{"lr": 0.1, "params": ["layer0.weight"]}],
+        },
+    }
     torch.save(state, tmp_path / "source.pt")
     with open_checkpoint(str(tmp_path / "source.pt")) as stored:
         source = _Counted(stored)

@@ -11,12 +11,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from gpt import GPT, Block, GPTConfig  # noqa: E402
-
-from fsdp_legacy import CPUOffload, MixedPrecision, ShardingStrategy  # noqa: E402
-from fsdp_legacy.memory import Phase, estimate_memory, profile_training  # noqa: E402
-from fsdp_legacy.wrap import ModuleWrapPolicy  # noqa: E402
-from harness import run_on_ranks  # noqa: E402
+from fsdp_legacy import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_legacy.memory import Phase, estimate_memory, profile_training
+from fsdp_legacy.wrap import ModuleWrapPolicy
+from gpt import GPT, Block, GPTConfig
+from harness import run_on_ranks
 
 SMALL = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, d_model=128)
 TOLERANCE = 0.10

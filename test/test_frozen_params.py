@@ -7,7 +7,6 @@ by hand, which (unlike DDP) also allows freezing a parameter after construction.
 
 import warnings
 
-import pytest
 import torch
 import torch.distributed as dist
 from parameterized import parameterized
@@ -145,7 +144,8 @@ def _train_like_data_parallel(strategy: str, mixed_precision: bool) -> None:
                 assert_close(mine.grad, param.grad, f"summoned gradient of {name}")
 
 
-@parameterized.expand([("FULL_SHARD", False, 2), ("SHARD_GRAD_OP", False, 2), ("FULL_SHARD", True, 2),
-                       ("FULL_SHARD", False, 4)])
+@parameterized.expand(
+    [("FULL_SHARD", False, 2), ("SHARD_GRAD_OP", False, 2), ("FULL_SHARD", True, 2), ("FULL_SHARD", False, 4)]
+)
 def test_frozen_params_train_like_data_parallel(strategy: str, mixed_precision: bool, world_size: int) -> None:
     run_on_ranks(_train_like_data_parallel, world_size, strategy, mixed_precision)

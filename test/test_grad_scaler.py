@@ -9,7 +9,8 @@ import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
 
 import models
-from fsdp_legacy import FullyShardedDataParallel as FSDP, ShardedGradScaler
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy import ShardedGradScaler
 from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of, optimizer
 from harness import run_on_ranks
 
@@ -20,8 +21,10 @@ def _scaler_matches_torch(use_orig_params: bool) -> None:
     config = Config("net", "FULL_SHARD", "block", use_orig_params, mixed_precision=FP16)
     _, ours = build_ours(config)
     theirs = build_torch_fsdp(config)
-    runs = [(ours, optimizer(ours), ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=2)),
-            (theirs, optimizer(theirs), TorchScaler("cpu", init_scale=2.0**10, growth_interval=2))]
+    runs = [
+        (ours, optimizer(ours), ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=2)),
+        (theirs, optimizer(theirs), TorchScaler("cpu", init_scale=2.0**10, growth_interval=2)),
+    ]
     for step in range(4):
         for model, opt, scaler in runs:
             with warnings.catch_warnings():
@@ -31,7 +34,7 @@ def _scaler_matches_torch(use_orig_params: bool) -> None:
                 scaler.update()
                 opt.zero_grad()
         assert runs[0][2].get_scale() == runs[1][2].get_scale(), f"scale at step {step}"
-    for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs)):
+    for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs), strict=True):
         assert_close(a._flat_param.detach(), b._flat_param.detach(), "shard after scaled steps")
 
 
@@ -51,7 +54,9 @@ def _inf_on_one_rank_skips_everywhere() -> None:
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 2.0, "every rank backs off"
-    assert all(torch.equal(a, b.detach()) for a, b in zip(before, ours.parameters())), "every rank skips the step"
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, ours.parameters(), strict=True)), (
+        "every rank skips the step"
+    )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -1,4 +1,5 @@
 """Tests of the multi-process harness itself (kept cheap: a handful of tiny jobs)."""
+
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
 from harness import RankError, run_on_ranks
 
 

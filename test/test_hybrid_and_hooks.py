@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import models
-from fsdp_legacy import FullyShardedDataParallel as FSDP, ShardingStrategy
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy import ShardingStrategy
 from fsdp_legacy.wrap import ModuleWrapPolicy
 from fsdp_utils import Config, assert_close, assert_same_params, build_ours, build_torch_fsdp, loss_of, optimizer
 from harness import run_on_ranks
@@ -24,8 +25,11 @@ def _hybrid(strategy: str, groups: str, use_orig_params: bool) -> None:
     reference = models.Transformer()
     torch.manual_seed(0)
     model = models.Transformer()
-    kwargs = dict(sharding_strategy=ShardingStrategy[strategy], use_orig_params=use_orig_params,
-                  auto_wrap_policy=ModuleWrapPolicy({models.TransformerBlock}))
+    kwargs = dict(
+        sharding_strategy=ShardingStrategy[strategy],
+        use_orig_params=use_orig_params,
+        auto_wrap_policy=ModuleWrapPolicy({models.TransformerBlock}),
+    )
     rank = dist.get_rank()
     if groups == "mesh":
         kwargs["device_mesh"] = init_device_mesh("cpu", (2, 2))  # dim 0 replicates, dim 1 shards
@@ -52,10 +56,15 @@ def _hybrid(strategy: str, groups: str, use_orig_params: bool) -> None:
     assert_same_params(ours, reference)
 
 
-@parameterized.expand([
-    ("HYBRID_SHARD", "mesh", False), ("HYBRID_SHARD", "tuple", True), ("_HYBRID_SHARD_ZERO2", "mesh", True),
-    ("_HYBRID_SHARD_ZERO2", "tuple", False), ("HYBRID_SHARD", "nodes", False),
-])
+@parameterized.expand(
+    [
+        ("HYBRID_SHARD", "mesh", False),
+        ("HYBRID_SHARD", "tuple", True),
+        ("_HYBRID_SHARD_ZERO2", "mesh", True),
+        ("_HYBRID_SHARD_ZERO2", "tuple", False),
+        ("HYBRID_SHARD", "nodes", False),
+    ]
+)
 def test_hybrid_sharding_matches_ddp(strategy: str, groups: str, use_orig_params: bool) -> None:
     run_on_ranks(_hybrid, 4, strategy, groups, use_orig_params)
 
@@ -133,7 +142,7 @@ def _compression_hook_matches_torch(dtype: str) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 loss_of(model(batch)).backward()
-        for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs)):
+        for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs), strict=True):
             assert_close(a._flat_param.grad, b._flat_param.grad, f"step {step} grad")
         for opt in (our_opt, their_opt):
             opt.step()

@@ -25,8 +25,9 @@ def _ignored(kind: str, use_orig_params: bool) -> None:
         ignored = {"modules": dict(ignored_modules=[net.block]), "states": dict(ignored_states=[net.l1.weight])}[kind]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return fsdp_cls(net, auto_wrap_policy=wrap_cls({models.Block}), use_orig_params=use_orig_params,
-                            **ignored, **extra)
+            return fsdp_cls(
+                net, auto_wrap_policy=wrap_cls({models.Block}), use_orig_params=use_orig_params, **ignored, **extra
+            )
 
     ours = build(FSDP, ModuleWrapPolicy)
     theirs = build(torch_fsdp.FullyShardedDataParallel, torch_fsdp.wrap.ModuleWrapPolicy, device_id=torch.device("cpu"))
@@ -37,7 +38,7 @@ def _ignored(kind: str, use_orig_params: bool) -> None:
             loss_of(model(models.Net.batch(10 * step + dist.get_rank()))).backward()
             opt.step()
             opt.zero_grad()
-    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
         assert_close(a.detach(), b.detach(), name)
 
 
@@ -52,6 +53,7 @@ def _meta_init(use_param_init_fn: bool) -> None:
     torch.manual_seed(0)
     reference = models.Net()
     if use_param_init_fn:
+
         def init(module: nn.Module) -> None:
             module.to_empty(device="cpu")
             with torch.no_grad():

@@ -14,13 +14,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from gpt import GPT, Block, GPTConfig  # noqa: E402
-
-from fsdp_legacy import FullyShardedDataParallel as FSDP  # noqa: E402
-from fsdp_legacy import MixedPrecision, ShardingStrategy  # noqa: E402
-from fsdp_legacy.memory import Category, MemoryTracker, Phase  # noqa: E402
-from fsdp_legacy.wrap import ModuleWrapPolicy  # noqa: E402
-from harness import run_on_ranks  # noqa: E402
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy import MixedPrecision, ShardingStrategy
+from fsdp_legacy.memory import Category, MemoryTracker, Phase
+from fsdp_legacy.wrap import ModuleWrapPolicy
+from gpt import GPT, Block, GPTConfig
+from harness import run_on_ranks
 
 # Blocks of 3 MiB and activations a fraction of one, so that one unit too many shows.
 CFG = GPTConfig(vocab_size=256, block_size=8, n_layer=4, n_head=4, d_model=256)
@@ -149,12 +148,12 @@ def bounds(name: str, activations: dict[Phase, int]) -> dict[Phase, int]:
     """The analytic peak per phase on one rank.
 
     Persistent: the sharded parameters and their momentum (`sharded` bytes each). Unsharded units are in the compute
-    dtype: the root stays unsharded from forward to the end of backward; FULL_SHARD adds one block in forward, SHARD_GRAD_OP
-    keeps every block from its forward to its backward. Backward is taken at the moment each unit's gradient is
-    complete, in backward order: the units after it have reduced theirs to shards, it holds its gradient twice (the
-    parameters' gradients and the flat gradient made of them, plus the fp32 copy for the reduction under mixed
-    precision), and with FULL_SHARD the unit before it is already being gathered (BACKWARD_PRE). no_sync keeps the
-    unsharded gradient of every unit whose synchronised backward has not run yet. Mixed precision gathers from a
+    dtype: the root stays unsharded from forward to the end of backward; FULL_SHARD adds one block in forward,
+    SHARD_GRAD_OP keeps every block from its forward to its backward. Backward is taken at the moment each unit's
+    gradient is complete, in backward order: the units after it have reduced theirs to shards, it holds its gradient
+    twice (the parameters' gradients and the flat gradient made of them, plus the fp32 copy for the reduction under
+    mixed precision), and with FULL_SHARD the unit before it is already being gathered (BACKWARD_PRE). no_sync keeps
+    the unsharded gradient of every unit whose synchronised backward has not run yet. Mixed precision gathers from a
     low-precision copy of the shard. The optimizer step (in place) holds parameters, gradients and momentum.
     """
     kwargs, no_sync_steps = CONFIGS[name]

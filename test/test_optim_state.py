@@ -9,12 +9,18 @@ CPU (FACTS CPU bug #2). Ours runs with the default config and must give torch's 
 import warnings
 from typing import Any
 
-import models
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.distributed.fsdp.wrap as torch_wrap
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+import fsdp_legacy
+import models
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy import wrap as our_wrap
 from fsdp_utils import (
     Config,
     assert_close,
@@ -25,12 +31,6 @@ from fsdp_utils import (
     loss_of,
 )
 from harness import run_on_ranks
-from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-import fsdp_legacy
-from fsdp_legacy import FullyShardedDataParallel as FSDP
-from fsdp_legacy import wrap as our_wrap
 
 FULL, SHARDED, LOCAL = "FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"
 LIBS = {"ours": fsdp_legacy, "torch_fsdp1": torch_fsdp}
@@ -109,8 +109,9 @@ def assert_same_osd(ours: dict, theirs: dict, what: str, ordered_names: bool = T
     order of the state names within a parameter is checked only where torch's is deterministic (not in
     optim_state_dict_to_load's output, which comes out of a set)."""
     assert list(ours) == list(theirs), what
-    assert list(ours["state"]) == list(theirs["state"]), f"{what}: state keys/order\n{list(ours['state'])}\n" \
-                                                         f"{list(theirs['state'])}"
+    assert list(ours["state"]) == list(theirs["state"]), (
+        f"{what}: state keys/order\n{list(ours['state'])}\n{list(theirs['state'])}"
+    )
     assert ours["param_groups"] == theirs["param_groups"], what
     for key, states in theirs["state"].items():
         names, expected_names = list(ours["state"][key]), list(states)
@@ -124,7 +125,7 @@ def assert_same_osd(ours: dict, theirs: dict, what: str, ordered_names: bool = T
                 continue
             if a[0] == "ShardedTensor":
                 assert [o for o, _ in a[-1]] == [o for o, _ in b[-1]], f"{what}: {key}.{name} local offsets"
-                for (_, x), (_, y) in zip(a[-1], b[-1]):
+                for (_, x), (_, y) in zip(a[-1], b[-1], strict=True):
                     assert_close(x, y, f"{what}: {key}.{name} local shard")
             elif a[0] == "Tensor":
                 assert_close(a[-1], b[-1], f"{what}: {key}.{name}")
@@ -137,7 +138,9 @@ def trained_pair(config: Config) -> tuple[nn.Module, torch.optim.Optimizer, nn.M
     _, ours = build_ours(config)
     theirs = build_torch_fsdp(config)
     ours_opt, theirs_opt = adam(ours), adam(theirs)
-    for step_losses in zip(train(ours, ours_opt, config, range(2)), train(theirs, theirs_opt, config, range(2))):
+    for step_losses in zip(
+        train(ours, ours_opt, config, range(2)), train(theirs, theirs_opt, config, range(2)), strict=True
+    ):
         assert_close(*step_losses, "training loss")
     return ours, ours_opt, theirs, theirs_opt
 
@@ -169,8 +172,12 @@ def _against_torch(config: Config) -> None:
     theirs_local = to_load(theirs, theirs_opt, torch_fsdp, FULL, full)
     assert_same_osd(ours_local, theirs_local, "to_load FULL", ordered_names=False)
     assert_same_osd(ours_local, ours_opt.state_dict(), "to_load FULL vs the live optimizer", ordered_names=False)
-    assert_same_osd(to_load(ours, ours_opt, fsdp_legacy, SHARDED, sharded), ours_opt.state_dict(), "to_load SHARDED",
-                    ordered_names=False)
+    assert_same_osd(
+        to_load(ours, ours_opt, fsdp_legacy, SHARDED, sharded),
+        ours_opt.state_dict(),
+        "to_load SHARDED",
+        ordered_names=False,
+    )
 
 
 @pytest.mark.parametrize("model", ["net", "transformer"])
@@ -210,8 +217,14 @@ def _ignored_against_torch(uop: bool) -> None:
         net = models.Net()
         extra = {"device_id": torch.device("cpu")} if lib is torch_fsdp else {}
         policy = (our_wrap if lib is fsdp_legacy else torch_wrap).ModuleWrapPolicy({models.Block})
-        model = quiet(lib.FullyShardedDataParallel, net, auto_wrap_policy=policy,
-                      ignored_modules=[net.l2], use_orig_params=uop, **extra)
+        model = quiet(
+            lib.FullyShardedDataParallel,
+            net,
+            auto_wrap_policy=policy,
+            ignored_modules=[net.l2],
+            use_orig_params=uop,
+            **extra,
+        )
         optim = adam(model)
         train(model, optim, config, range(2))
         built.append((model, optim))
@@ -220,10 +233,14 @@ def _ignored_against_torch(uop: bool) -> None:
     assert "l2.weight" in full["state"]
     expected = osd(theirs, theirs_opt, torch_fsdp, FULL, torch_fsdp.FullOptimStateDictConfig(offload_to_cpu=False))
     assert_same_osd(full, expected, "FULL with ignored parameters")
-    assert_same_osd(osd(ours, ours_opt, fsdp_legacy, SHARDED), osd(theirs, theirs_opt, torch_fsdp, SHARDED),
-                    "SHARDED with ignored parameters")
-    assert_same_osd(to_load(ours, ours_opt, fsdp_legacy, FULL, full), ours_opt.state_dict(), "to_load",
-                    ordered_names=False)
+    assert_same_osd(
+        osd(ours, ours_opt, fsdp_legacy, SHARDED),
+        osd(theirs, theirs_opt, torch_fsdp, SHARDED),
+        "SHARDED with ignored parameters",
+    )
+    assert_same_osd(
+        to_load(ours, ours_opt, fsdp_legacy, FULL, full), ours_opt.state_dict(), "to_load", ordered_names=False
+    )
 
 
 @pytest.mark.parametrize("uop", [False, True], ids=["flat", "uop"])
@@ -252,7 +269,7 @@ def _round_trip(kind: str, save_uop: bool, load_uop: bool, model: str) -> None:
 
     continued = train(source, source_opt, source_config, range(2, 5))
     resumed = train(target, target_opt, target_config, range(2, 5))
-    for a, b in zip(resumed, continued):
+    for a, b in zip(resumed, continued, strict=True):
         assert_close(a, b, "loss after resuming", atol=1e-6, rtol=1e-6)
     expected = full_params(source)
     for name, value in full_params(target).items():
@@ -261,7 +278,8 @@ def _round_trip(kind: str, save_uop: bool, load_uop: bool, model: str) -> None:
 
 @pytest.mark.parametrize("kind", [FULL, SHARDED])
 @pytest.mark.parametrize(
-    "save_uop,load_uop", [(False, False), (True, True), (False, True), (True, False)],
+    "save_uop,load_uop",
+    [(False, False), (True, True), (False, True), (True, False)],
     ids=["flat", "uop", "flat_to_uop", "uop_to_flat"],
 )
 def test_round_trip(kind: str, save_uop: bool, load_uop: bool) -> None:
@@ -295,10 +313,12 @@ def _exchange_with_torch(uop: bool, kind: str, path: str) -> None:
     load_model(theirs2, torch_fsdp, kind, from_ours[0])
     theirs2_opt.load_state_dict(to_load(theirs2, theirs2_opt, torch_fsdp, kind, from_ours[1]))
 
-    runs = [train(m, o, config, range(2, 4)) for m, o in
-            [(ours, ours_opt), (theirs, theirs_opt), (ours2, ours2_opt), (theirs2, theirs2_opt)]]
+    runs = [
+        train(m, o, config, range(2, 4))
+        for m, o in [(ours, ours_opt), (theirs, theirs_opt), (ours2, ours2_opt), (theirs2, theirs2_opt)]
+    ]
     for losses in runs[1:]:
-        for a, b in zip(losses, runs[0]):
+        for a, b in zip(losses, runs[0], strict=True):
             assert_close(a, b, "loss after exchanging checkpoints")
     full_config = torch_fsdp.FullOptimStateDictConfig(offload_to_cpu=False)
     expected = osd(theirs, theirs_opt, torch_fsdp, FULL, full_config)
@@ -340,7 +360,7 @@ def _cross_uop_with_torch() -> None:
         load_model(target, fsdp_legacy, FULL, model_sd(theirs, torch_fsdp, FULL))
         to_load(target, target_opt, fsdp_legacy, FULL, saved, load_directly=True)
         resumed = train(target, target_opt, target_config, range(2, 4))
-        for a, b in zip(resumed, train(theirs, theirs_opt, config, range(2, 4))):
+        for a, b in zip(resumed, train(theirs, theirs_opt, config, range(2, 4)), strict=True):
             assert_close(a, b, "loss after a cross-use_orig_params load")
 
 
@@ -386,8 +406,9 @@ def _deprecated_api(uop: bool) -> None:
         assert_same_osd(result, expected, "full_optim_state_dict vs torch", values=False)
     elif rank == 0:
         assert_same_osd(result, expected, "full_optim_state_dict vs torch")
-    result, messages = caught(FSDP.full_optim_state_dict, ours, ours_opt, optim_input=list(ours.parameters()),
-                              rank0_only=False)
+    result, messages = caught(
+        FSDP.full_optim_state_dict, ours, ours_opt, optim_input=list(ours.parameters()), rank0_only=False
+    )
     assert_same_osd(result, full, "full_optim_state_dict(rank0_only=False)")
     assert messages[0] == deprecation("full_optim_state_dict", "optim_state_dict")
     assert messages[1].startswith("The `optim_input` argument is deprecated")
@@ -409,8 +430,9 @@ def _deprecated_api(uop: bool) -> None:
     # optim_state_dict_to_load under FULL rank0_only: only rank 0 passes the dict.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with FSDP.state_dict_type(ours, fsdp_legacy.StateDictType.FULL_STATE_DICT, None,
-                                  fsdp_legacy.FullOptimStateDictConfig(rank0_only=True)):
+        with FSDP.state_dict_type(
+            ours, fsdp_legacy.StateDictType.FULL_STATE_DICT, None, fsdp_legacy.FullOptimStateDictConfig(rank0_only=True)
+        ):
             result = FSDP.optim_state_dict_to_load(ours, ours_opt, full if rank == 0 else {})
     assert_same_osd(result, local, "optim_state_dict_to_load rank0_only", ordered_names=False)
 
@@ -421,8 +443,10 @@ def _deprecated_api(uop: bool) -> None:
         quiet(FSDP.shard_full_optim_state_dict, full, ours)
     with pytest.raises(NotImplementedError, match="is_named_optimizer"):
         FSDP.optim_state_dict_to_load(ours, ours_opt, full, is_named_optimizer=True)
-    wrong = {**full, "state": {**full["state"], "l1.weight": {**full["state"]["l1.weight"],
-                                                             "exp_avg": torch.zeros(2, 2)}}}
+    wrong = {
+        **full,
+        "state": {**full["state"], "l1.weight": {**full["state"]["l1.weight"], "exp_avg": torch.zeros(2, 2)}},
+    }
     with pytest.raises(ValueError, match=r"'exp_avg' of l1.weight has shape \(2, 2\) but the parameter has shape"):
         quiet(FSDP.optim_state_dict_to_load, ours, ours_opt, wrong)
 
@@ -456,8 +480,12 @@ def _device_mesh_against_torch(uop: bool) -> None:
                 assert_close(mine.to_local(), value.to_local(), f"{fqn}.{name} local")
             else:
                 assert_close(mine, value, f"{fqn}.{name}")
-    assert_same_osd(to_load(ours, ours_opt, fsdp_legacy, SHARDED, sharded), ours_opt.state_dict(), "to_load DTensor",
-                    ordered_names=False)
+    assert_same_osd(
+        to_load(ours, ours_opt, fsdp_legacy, SHARDED, sharded),
+        ours_opt.state_dict(),
+        "to_load DTensor",
+        ordered_names=False,
+    )
 
 
 @pytest.mark.parametrize("uop", [False, True], ids=["flat", "uop"])
@@ -473,10 +501,13 @@ def _param_groups_against_torch() -> None:
 
     def grouped(model: nn.Module, lr: float = 0.01) -> torch.optim.Optimizer:
         params = list(model.named_parameters())
-        return torch.optim.AdamW([
-            {"params": [p for n, p in params if not n.endswith("bias")], "weight_decay": 0.1},
-            {"params": [p for n, p in params if n.endswith("bias")], "weight_decay": 0.0, "lr": lr * 2},
-        ], lr=lr)
+        return torch.optim.AdamW(
+            [
+                {"params": [p for n, p in params if not n.endswith("bias")], "weight_decay": 0.1},
+                {"params": [p for n, p in params if n.endswith("bias")], "weight_decay": 0.0, "lr": lr * 2},
+            ],
+            lr=lr,
+        )
 
     _, ours = build_ours(config)
     theirs = build_torch_fsdp(config)
@@ -499,7 +530,9 @@ def _param_groups_against_torch() -> None:
     load_model(target, fsdp_legacy, FULL, model_sd(ours, fsdp_legacy, FULL))
     to_load(target, target_opt, fsdp_legacy, FULL, full, load_directly=True)
     assert [g["lr"] for g in target_opt.param_groups] == [0.01, 0.02]
-    for a, b in zip(train(target, target_opt, config, range(2, 4)), train(ours, ours_opt, config, range(2, 4))):
+    for a, b in zip(
+        train(target, target_opt, config, range(2, 4)), train(ours, ours_opt, config, range(2, 4)), strict=True
+    ):
         assert_close(a, b, "loss after loading two parameter groups")
 
 
@@ -525,11 +558,14 @@ def _load_full(uop: bool, saved_model: dict, saved_optim: dict) -> None:
     reloaded = osd(model, optim, fsdp_legacy, FULL)
     reordered = {
         "state": {fqn: {n: saved_optim["state"][fqn][n] for n in states} for fqn, states in reloaded["state"].items()},
-        "param_groups": [{**g, "params": r["params"]} for g, r in zip(saved_optim["param_groups"],
-                                                                      reloaded["param_groups"])],
+        "param_groups": [
+            {**g, "params": r["params"]}
+            for g, r in zip(saved_optim["param_groups"], reloaded["param_groups"], strict=True)
+        ],
     }
-    assert [sorted(g["params"]) for g in reloaded["param_groups"]] == \
-        [sorted(g["params"]) for g in saved_optim["param_groups"]]
+    assert [sorted(g["params"]) for g in reloaded["param_groups"]] == [
+        sorted(g["params"]) for g in saved_optim["param_groups"]
+    ]
     assert reloaded["state"].keys() == saved_optim["state"].keys()
     assert_same_osd(reloaded, reordered, "reloaded at another world size")
 
@@ -578,12 +614,20 @@ def test_rekey_optim_state_dict_like_torch() -> None:
 def test_signatures_match_torch() -> None:
     import inspect
 
-    for name in ["optim_state_dict", "optim_state_dict_to_load", "full_optim_state_dict", "sharded_optim_state_dict",
-                 "shard_full_optim_state_dict", "flatten_sharded_optim_state_dict", "scatter_full_optim_state_dict",
-                 "rekey_optim_state_dict"]:
+    for name in [
+        "optim_state_dict",
+        "optim_state_dict_to_load",
+        "full_optim_state_dict",
+        "sharded_optim_state_dict",
+        "shard_full_optim_state_dict",
+        "flatten_sharded_optim_state_dict",
+        "scatter_full_optim_state_dict",
+        "rekey_optim_state_dict",
+    ]:
         ours, theirs = (inspect.signature(getattr(lib, name)) for lib in (FSDP, torch_fsdp.FullyShardedDataParallel))
-        assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == \
-            [(p.name, p.default, p.kind) for p in theirs.parameters.values()], name
+        assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == [
+            (p.name, p.default, p.kind) for p in theirs.parameters.values()
+        ], name
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -642,7 +686,7 @@ def test_training_continues_identically_in_fsdp2(tmp_path, uop: bool) -> None:
     actual = run_on_ranks(_continue_in_fsdp2, 2, uop, str(tmp_path))
     for rank in range(2):
         (want_losses, want_params), (got_losses, got_params) = expected[rank], actual[rank]
-        for step, (a, b) in enumerate(zip(got_losses, want_losses)):
+        for step, (a, b) in enumerate(zip(got_losses, want_losses, strict=True)):
             assert_close(a, b, f"rank {rank} loss {step + 2}")
         assert got_params.keys() == want_params.keys()
         for name in want_params:
@@ -661,7 +705,9 @@ def _save_from_fsdp2(path: str) -> tuple[list[torch.Tensor], dict]:
     optim = adam(model)
     config = Config("net")
     train(model, optim, config, range(2))
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path)
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path
+    )
     losses = train(model, optim, config, range(2, 4))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return losses, {name: tensor for name, tensor in full.items() if name != "buf"}
@@ -701,7 +747,7 @@ def test_fsdp2_checkpoint_continues_identically_in_ours(tmp_path, uop: bool) -> 
     actual = run_on_ranks(_continue_in_ours, 2, uop, str(tmp_path))
     for rank in range(2):
         (want_losses, want_params), (got_losses, got_params) = expected[rank], actual[rank]
-        for step, (a, b) in enumerate(zip(got_losses, want_losses)):
+        for step, (a, b) in enumerate(zip(got_losses, want_losses, strict=True)):
             assert_close(a, b, f"rank {rank} loss {step + 2}")
         for name in want_params:
             assert_close(got_params[name], want_params[name], f"rank {rank} {name}")
@@ -725,26 +771,35 @@ def _full_state(model: nn.Module, optim: torch.optim.Optimizer, impl: str) -> di
         return {"model": model_sd(model, fsdp_legacy, FULL), "optim": osd(model, optim, fsdp_legacy, FULL)["state"]}
     if impl == "torch_fsdp1":  # (offload_to_cpu=False: torch's default returns aliased values on CPU)
         config = torch_fsdp.FullOptimStateDictConfig(offload_to_cpu=False)
-        return {"model": model_sd(model, torch_fsdp, FULL), "optim": osd(model, optim, torch_fsdp, FULL, config)["state"]}
+        return {
+            "model": model_sd(model, torch_fsdp, FULL),
+            "optim": osd(model, optim, torch_fsdp, FULL, config)["state"],
+        }
     full = StateDictOptions(full_state_dict=True)
-    return {"model": get_model_state_dict(model, options=full),
-            "optim": get_optimizer_state_dict(model, optim, options=full)["state"]}
+    return {
+        "model": get_model_state_dict(model, options=full),
+        "optim": get_optimizer_state_dict(model, optim, options=full)["state"],
+    }
 
 
 def _save_for_migration(impl: str, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    builders = {"ours": lambda: build_ours(Config("net"))[1], "torch_fsdp1": lambda: quiet(build_torch_fsdp, Config("net")),
-                "fsdp2": lambda: _fsdp2_net(0)}
+    builders = {
+        "ours": lambda: build_ours(Config("net"))[1],
+        "torch_fsdp1": lambda: quiet(build_torch_fsdp, Config("net")),
+        "fsdp2": lambda: _fsdp2_net(0),
+    }
     model = builders[impl]()
     optim = adam(model)
     train(model, optim, Config("net"), range(2))
     if impl != "fsdp2":
         _save_dcp((model_sd(model, LIBS[impl], SHARDED), osd(model, optim, LIBS[impl], SHARDED)), path)
     else:
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
-                 checkpoint_id=path)
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path
+        )
     return _full_state(model, optim, impl)
 
 
@@ -775,9 +830,16 @@ def _assert_same_state(actual: Any, expected: Any, what: str) -> None:
 
 @pytest.mark.parametrize(
     "save_impl,save_world,load_impl,load_world",
-    [("ours", 2, "fsdp2", 1), ("ours", 1, "fsdp2", 2), ("fsdp2", 2, "ours", 1), ("fsdp2", 1, "ours", 2),
-     ("torch_fsdp1", 2, "ours", 1), ("torch_fsdp1", 1, "ours", 2), ("ours", 2, "torch_fsdp1", 1),
-     ("ours", 1, "torch_fsdp1", 2)],
+    [
+        ("ours", 2, "fsdp2", 1),
+        ("ours", 1, "fsdp2", 2),
+        ("fsdp2", 2, "ours", 1),
+        ("fsdp2", 1, "ours", 2),
+        ("torch_fsdp1", 2, "ours", 1),
+        ("torch_fsdp1", 1, "ours", 2),
+        ("ours", 2, "torch_fsdp1", 1),
+        ("ours", 1, "torch_fsdp1", 2),
+    ],
 )
 def test_migration_across_world_sizes(tmp_path, save_impl: str, save_world: int, load_impl: str, load_world: int):
     """Model and Adam state move between fsdp_legacy and FSDP2, and between torch's FSDP1 and fsdp_legacy, through

@@ -58,7 +58,7 @@ def _ddp_parity(config: Config) -> None:
     ddp = DDP(reference, find_unused_parameters=config.model == "moe")
     ours_losses = train(ours, config)
     ddp_losses = train(ddp, config)
-    for step, (a, b) in enumerate(zip(ours_losses, ddp_losses)):
+    for step, (a, b) in enumerate(zip(ours_losses, ddp_losses, strict=True)):
         assert_close(a, b, f"loss at step {step}")
     full = full_params(ours)
     for name, param in reference.named_parameters():
@@ -81,7 +81,7 @@ def _torch_fsdp_parity(config: Config) -> None:
     assert len(our_units) == len(their_units), "a different number of FSDP units than torch's FSDP1"
 
     def compare(stage: str) -> None:
-        for index, (a, b) in enumerate(zip(our_units, their_units)):
+        for index, (a, b) in enumerate(zip(our_units, their_units, strict=True)):
             if b._flat_param is None:
                 assert a._handle is None, f"unit {index}: torch has no flat parameter, we do"
                 continue

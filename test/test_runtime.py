@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
-from fsdp_legacy.runtime import TrainingState
+from fsdp_legacy.unit import TrainingState
 from fsdp_legacy.wrap import enable_wrap, wrap
 from fsdp_utils import Config, assert_close, assert_same_params, build_ours, build_torch_fsdp, loss_of, optimizer
 from harness import run_on_ranks
@@ -134,16 +134,19 @@ def _layout_matches_torch(model: str, use_orig_params: bool) -> None:
     config = Config(model, "FULL_SHARD", "block", use_orig_params)
     _, ours = build_ours(config)
     theirs = build_torch_fsdp(config)
-    for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs)):
+    for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs), strict=True):
         ours_flat, theirs_flat = a._flat_param, b._flat_param
         assert list(ours_flat._fqns) == list(theirs_flat._fqns)
         assert list(ours_flat._shapes) == list(theirs_flat._shapes)
         assert list(ours_flat._numels_with_padding) == list(theirs_flat._numels_with_padding)
         assert torch.equal(ours_flat.detach(), theirs_flat.detach()), "the local shard, element for element"
-        theirs_shared = [(s.param_name, s.module_name, s.prim_param_name, s.prim_module_name)
-                         for s in theirs_flat._shared_param_infos]
-        ours_shared = [(s.param_name, s.module_name, s.primary.param_name, s.primary.module_name)
-                       for s in a._handle.layout.shared]
+        theirs_shared = [
+            (s.param_name, s.module_name, s.prim_param_name, s.prim_module_name)
+            for s in theirs_flat._shared_param_infos
+        ]
+        ours_shared = [
+            (s.param_name, s.module_name, s.primary.param_name, s.primary.module_name) for s in a._handle.layout.shared
+        ]
         assert ours_shared == theirs_shared
     ours_names = [(n, p.shape) for n, p in ours.named_parameters()]
     theirs_names = [(n, p.shape) for n, p in theirs.named_parameters()]
@@ -158,7 +161,7 @@ def test_layout_matches_torch(model: str, use_orig_params: bool, world_size: int
 def _originals_released(use_orig_params: bool) -> None:
     torch.manual_seed(0)
     net = models.Net()
-    originals = {name: p for name, p in net.named_parameters()}
+    originals = dict(net.named_parameters())
     fsdp = FSDP(net, use_orig_params=use_orig_params)
     handle = fsdp._handle
     shard_bytes = handle.local_shard.untyped_storage().nbytes()
@@ -243,8 +246,12 @@ def _zero_grad_of_a_unit_backward_skips(strategy: str, use_orig_params: bool) ->
 
     torch.manual_seed(0)
     reference = TwoHeads()
-    ours = FSDP(copy.deepcopy(reference), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
-                sharding_strategy=ShardingStrategy[strategy], use_orig_params=use_orig_params)
+    ours = FSDP(
+        copy.deepcopy(reference),
+        auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+        sharding_strategy=ShardingStrategy[strategy],
+        use_orig_params=use_orig_params,
+    )
     ddp = DDP(reference, find_unused_parameters=True)
     for model in (ours, ddp):
         opt = optimizer(model)

@@ -83,13 +83,15 @@ def without_records(sd: dict) -> dict:
 
 
 def assert_same(ours: dict, theirs: dict, what: str) -> None:
-    assert list(ours) == list(theirs), f"{what}: keys or their order differ:\n ours  {list(ours)}\n torch {list(theirs)}"
+    assert list(ours) == list(theirs), (
+        f"{what}: keys or their order differ:\n ours  {list(ours)}\n torch {list(theirs)}"
+    )
     for key in theirs:
         a, b = describe(ours[key]), describe(theirs[key])
         assert a[:-1] == b[:-1], f"{what}: {key} differs:\n ours  {a[:-1]}\n torch {b[:-1]}"
         if a[0] == "ShardedTensor":
             assert [o for o, _ in a[-1]] == [o for o, _ in b[-1]], f"{what}: {key} local shard offsets"
-            for (_, x), (_, y) in zip(a[-1], b[-1]):
+            for (_, x), (_, y) in zip(a[-1], b[-1], strict=True):
                 assert_close(x, y, f"{what}: {key} local shard")
         else:
             assert_close(a[-1], b[-1], f"{what}: {key}")
@@ -153,8 +155,10 @@ def _settings_api() -> None:
         assert all(u._state_dict_config is now.state_dict_config for u in FSDP.fsdp_modules(ours)), "all units set"
     FSDP.set_state_dict_type(ours, StateDictType.FULL_STATE_DICT)
 
-    with pytest.raises(RuntimeError, match="Expected state_dict_config of type .*ShardedStateDictConfig.* but got "
-                                           ".*FullStateDictConfig"):
+    with pytest.raises(
+        RuntimeError,
+        match="Expected state_dict_config of type .*ShardedStateDictConfig.* but got .*FullStateDictConfig",
+    ):
         FSDP.set_state_dict_type(ours, StateDictType.SHARDED_STATE_DICT, fsdp_legacy.FullStateDictConfig())
     with pytest.raises(RuntimeError, match="Expected optim_state_dict_config of type"):
         FSDP.set_state_dict_type(ours, StateDictType.FULL_STATE_DICT, None, fsdp_legacy.ShardedOptimStateDictConfig())
@@ -220,14 +224,14 @@ def _matches_torch(config: Config) -> None:
     assert all(is_sharded(u) for u in FSDP.fsdp_modules(ours)), "state_dict() leaves every unit sharded"
 
 
-TORCH_CASES = [
-    (Config("net", use_orig_params=uop, steps=2), world) for uop in (False, True) for world in (2, 4)
-] + [
-    (Config("transformer", use_orig_params=uop, steps=2), 2) for uop in (False, True)
-] + [
-    (Config("net", policy="always", use_orig_params=True, steps=2), 2),
-    (Config("net", strategy="SHARD_GRAD_OP", policy="size", steps=2), 4),
-]
+TORCH_CASES = (
+    [(Config("net", use_orig_params=uop, steps=2), world) for uop in (False, True) for world in (2, 4)]
+    + [(Config("transformer", use_orig_params=uop, steps=2), 2) for uop in (False, True)]
+    + [
+        (Config("net", policy="always", use_orig_params=True, steps=2), 2),
+        (Config("net", strategy="SHARD_GRAD_OP", policy="size", steps=2), 4),
+    ]
+)
 
 
 @pytest.mark.parametrize("config,world_size", TORCH_CASES, ids=[f"{c.name()}_w{w}" for c, w in TORCH_CASES])
@@ -295,9 +299,11 @@ def _full_options() -> None:
     else:
         assert rank0 == {}, "rank0_only: the other ranks get an empty dict"
     # offload_to_cpu works on CPU (torch crashes there) and the values are copies the model does not share.
-    for kind, config_cls in (("FULL_STATE_DICT", fsdp_legacy.FullStateDictConfig),
-                             ("SHARDED_STATE_DICT", fsdp_legacy.ShardedStateDictConfig),
-                             ("LOCAL_STATE_DICT", fsdp_legacy.LocalStateDictConfig)):
+    for kind, config_cls in (
+        ("FULL_STATE_DICT", fsdp_legacy.FullStateDictConfig),
+        ("SHARDED_STATE_DICT", fsdp_legacy.ShardedStateDictConfig),
+        ("LOCAL_STATE_DICT", fsdp_legacy.LocalStateDictConfig),
+    ):
         offloaded = state_dict(ours, fsdp_legacy, kind, config_cls(offload_to_cpu=True))
         assert_same(offloaded, state_dict(ours, fsdp_legacy, kind), f"{kind} offload_to_cpu")
     full = state_dict(ours, fsdp_legacy, "FULL_STATE_DICT", fsdp_legacy.FullStateDictConfig(offload_to_cpu=True))
@@ -397,17 +403,19 @@ def _round_trip(config: Config, kind: str, through_bytes: bool, nested: bool) ->
     assert torch.equal(next_loss(fresh, config, 51), next_loss(ours, config, 51)), "and the one after"
 
 
-ROUND_TRIPS = [
-    (Config("net", use_orig_params=uop, steps=2), kind, world, False, False)
-    for kind in TYPES
-    for uop in (False, True)
-    for world in (2, 4)
-] + [
-    (Config("transformer", use_orig_params=True, steps=2), kind, 2, True, False) for kind in TYPES
-] + [
-    (Config("transformer", steps=2), "FULL_STATE_DICT", 2, False, True),
-    (Config("net", policy="always", use_orig_params=True, steps=2), "SHARDED_STATE_DICT", 2, False, True),
-]
+ROUND_TRIPS = (
+    [
+        (Config("net", use_orig_params=uop, steps=2), kind, world, False, False)
+        for kind in TYPES
+        for uop in (False, True)
+        for world in (2, 4)
+    ]
+    + [(Config("transformer", use_orig_params=True, steps=2), kind, 2, True, False) for kind in TYPES]
+    + [
+        (Config("transformer", steps=2), "FULL_STATE_DICT", 2, False, True),
+        (Config("net", policy="always", use_orig_params=True, steps=2), "SHARDED_STATE_DICT", 2, False, True),
+    ]
+)
 
 
 @pytest.mark.parametrize(
@@ -466,8 +474,9 @@ def _ours_to_torch(config: Config, kind: str) -> None:
         # torch's own LOCAL dict with use_orig_params fails its strict load the same way: it reports its _flat_param
         # keys unexpected, and loads the named 1-D views beside them; our layout records are unexpected to it too.
         result = load(theirs, torch_fsdp, kind, sd, strict=False)
-        assert result.missing_keys == [] and all(k.endswith(("_flat_param", "_flat_param_meta"))
-                                                 for k in result.unexpected_keys)
+        assert result.missing_keys == [] and all(
+            k.endswith(("_flat_param", "_flat_param_meta")) for k in result.unexpected_keys
+        )
     elif kind == "LOCAL_STATE_DICT":
         # torch's strict load reports exactly our layout records unexpected (documented); without them it loads.
         records = [key for key in sd if key.endswith("_flat_param_meta")]
@@ -505,8 +514,11 @@ def _missing_and_unexpected(use_orig_params: bool) -> None:
         sd = state_dict(ours, fsdp_legacy, kind)
         _, fresh = build_ours(config, seed=1)
         partial = {k: v for k, v in sd.items() if k not in ("l1.weight", "block.fc1.bias")}
-        with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "l1.weight", "block.fc1.bias"\. '
-                                               r'(.|\n)*strict=False'):
+        with pytest.raises(
+            RuntimeError,
+            match=r'Missing key\(s\) in state_dict: "l1.weight", "block.fc1.bias"\. '
+            r"(.|\n)*strict=False",
+        ):
             load(fresh, fsdp_legacy, kind, partial)
         _, fresh = build_ours(config, seed=1)
         result = load(fresh, fsdp_legacy, kind, partial, strict=False)
@@ -516,8 +528,11 @@ def _missing_and_unexpected(use_orig_params: bool) -> None:
         assert all(loaded[k].equal(v) for k, v in expected.items() if k not in ("l1.weight", "block.fc1.bias"))
 
         extra = {**sd, "l9.weight": torch.zeros(1), "block.extra": torch.zeros(1)}
-        with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "l9.weight", "block.extra"'
-                                               r'(.|\n)*strict=False'):
+        with pytest.raises(
+            RuntimeError,
+            match=r'Unexpected key\(s\) in state_dict: "l9.weight", "block.extra"'
+            r"(.|\n)*strict=False",
+        ):
             load(fresh, fsdp_legacy, kind, extra)
         result = load(fresh, fsdp_legacy, kind, extra, strict=False)
         assert result.missing_keys == [] and result.unexpected_keys == ["l9.weight", "block.extra"]
@@ -527,11 +542,17 @@ def _missing_and_unexpected(use_orig_params: bool) -> None:
     local = state_dict(ours, fsdp_legacy, "LOCAL_STATE_DICT")
     full = state_dict(ours, fsdp_legacy, "FULL_STATE_DICT")
     for strict in (True, False):
-        with pytest.raises(RuntimeError, match=r"_flat_param is a LOCAL_STATE_DICT entry, but the model loads a "
-                                               r"FULL_STATE_DICT: .*StateDictType.LOCAL_STATE_DICT"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"_flat_param is a LOCAL_STATE_DICT entry, but the model loads a "
+            r"FULL_STATE_DICT: .*StateDictType.LOCAL_STATE_DICT",
+        ):
             load(fresh, fsdp_legacy, "FULL_STATE_DICT", local, strict=strict)
-        with pytest.raises(RuntimeError, match=r"l1.weight is a parameter by name, but the model loads a "
-                                               r"LOCAL_STATE_DICT .*StateDictType.FULL_STATE_DICT"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"l1.weight is a parameter by name, but the model loads a "
+            r"LOCAL_STATE_DICT .*StateDictType.FULL_STATE_DICT",
+        ):
             load(fresh, fsdp_legacy, "LOCAL_STATE_DICT", full, strict=strict)
     partial = {k: v for k, v in local.items() if k != "block._flat_param"}
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "block._flat_param"'):
@@ -561,21 +582,43 @@ def _shape_and_dtype(use_orig_params: bool) -> None:
     sharded = state_dict(ours, fsdp_legacy, "SHARDED_STATE_DICT")
     local = state_dict(ours, fsdp_legacy, "LOCAL_STATE_DICT")
     cases = [
-        ("FULL_STATE_DICT", {**full, "l1.weight": torch.zeros(4, 3)},
-         (r"size mismatch for l1.weight: copying a param with shape torch.Size\(\[4, 3\]\) from checkpoint, the shape "
-          r"in current model is torch.Size\(\[5, 3\]\)\. Load a checkpoint of this model")),
-        ("FULL_STATE_DICT", {**full, "block.fc2.weight": full["block.fc2.weight"].double()},
-         (r"dtype mismatch for block.fc2.weight: the checkpoint holds torch.float64, the model's parameter is "
-          r"torch.float32\. .*convert the checkpoint")),
-        ("SHARDED_STATE_DICT", {**sharded, "l1.bias": _retyped(sharded["l1.bias"], torch.float64)},
-         r"dtype mismatch for l1.bias"),
+        (
+            "FULL_STATE_DICT",
+            {**full, "l1.weight": torch.zeros(4, 3)},
+            (
+                r"size mismatch for l1.weight: copying a param with shape torch.Size\(\[4, 3\]\) from checkpoint, "
+                r"the shape in current model is torch.Size\(\[5, 3\]\)\. Load a checkpoint of this model"
+            ),
+        ),
+        (
+            "FULL_STATE_DICT",
+            {**full, "block.fc2.weight": full["block.fc2.weight"].double()},
+            (
+                r"dtype mismatch for block.fc2.weight: the checkpoint holds torch.float64, the model's parameter is "
+                r"torch.float32\. .*convert the checkpoint"
+            ),
+        ),
+        (
+            "SHARDED_STATE_DICT",
+            {**sharded, "l1.bias": _retyped(sharded["l1.bias"], torch.float64)},
+            r"dtype mismatch for l1.bias",
+        ),
         ("SHARDED_STATE_DICT", {**sharded, "l2.weight": sharded["l1.weight"]}, r"size mismatch for l2.weight"),
-        ("LOCAL_STATE_DICT", {**local, "_flat_param": _retyped(local["_flat_param"], torch.float64)},
-         r"dtype mismatch for _flat_param"),
-        ("LOCAL_STATE_DICT", {**local, "_flat_param": local["block._flat_param"]},
-         r"size mismatch for _flat_param: the checkpoint's flat parameter has"),
-        ("LOCAL_STATE_DICT", {**local, "_flat_param": torch.zeros(3)},
-         r"_flat_param of a LOCAL_STATE_DICT must be a ShardedTensor"),
+        (
+            "LOCAL_STATE_DICT",
+            {**local, "_flat_param": _retyped(local["_flat_param"], torch.float64)},
+            r"dtype mismatch for _flat_param",
+        ),
+        (
+            "LOCAL_STATE_DICT",
+            {**local, "_flat_param": local["block._flat_param"]},
+            r"size mismatch for _flat_param: the checkpoint's flat parameter has",
+        ),
+        (
+            "LOCAL_STATE_DICT",
+            {**local, "_flat_param": torch.zeros(3)},
+            r"_flat_param of a LOCAL_STATE_DICT must be a ShardedTensor",
+        ),
     ]
     before = full_params(ours)
     for kind, sd, message in cases:
@@ -606,8 +649,11 @@ def _local_other_world_size() -> None:
     four_ranks = ShardedTensor._init_from_local_shards_and_global_metadata(
         shards, ShardedTensorMetadata(chunks, meta.size, meta.tensor_properties)
     )
-    with pytest.raises(RuntimeError, match=r"_flat_param is a LOCAL_STATE_DICT saved with world size 4 .* this model "
-                                           r"runs with world size 2.*SHARDED_STATE_DICT or FULL_STATE_DICT"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"_flat_param is a LOCAL_STATE_DICT saved with world size 4 .* this model "
+        r"runs with world size 2.*SHARDED_STATE_DICT or FULL_STATE_DICT",
+    ):
         load(ours, fsdp_legacy, "LOCAL_STATE_DICT", {**local, "_flat_param": four_ranks})
 
 

@@ -14,7 +14,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.wrap import ModuleWrapPolicy
-from fsdp_utils import Config, assert_close, assert_same_params, build_ours, build_torch_fsdp, full_params, loss_of, optimizer, train_net_with_ddp
+from fsdp_utils import (
+    Config,
+    assert_close,
+    assert_same_params,
+    build_ours,
+    build_torch_fsdp,
+    full_params,
+    loss_of,
+    optimizer,
+    train_net_with_ddp,
+)
 from harness import run_on_ranks
 
 STRATEGIES_X_UOP = [(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for u in (False, True)]
@@ -90,7 +100,9 @@ def _clip(strategy: str, use_orig_params: bool, norm_type: float) -> None:
         FSDP.fsdp_modules(ours)[1].clip_grad_norm_(1.0)
 
 
-CLIP_CASES = [(s, u, p, 2) for (s, u), p in zip(STRATEGIES_X_UOP, (2.0, 1.0, math.inf, 3.0, 2.0, math.inf))]
+CLIP_CASES = [
+    (s, u, p, 2) for (s, u), p in zip(STRATEGIES_X_UOP, (2.0, 1.0, math.inf, 3.0, 2.0, math.inf), strict=True)
+]
 
 
 @parameterized.expand(CLIP_CASES + [("FULL_SHARD", False, 2.0, 4), ("SHARD_GRAD_OP", True, math.inf, 4)])
@@ -139,7 +151,9 @@ def _summon(use_orig_params: bool, strategy: str) -> None:
     loss_of(ours(models.Net.batch(0))).backward()
 
 
-@parameterized.expand([(u, s, 2) for u in (False, True) for s in ("FULL_SHARD", "NO_SHARD")] + [(True, "FULL_SHARD", 4)])
+@parameterized.expand(
+    [(u, s, 2) for u in (False, True) for s in ("FULL_SHARD", "NO_SHARD")] + [(True, "FULL_SHARD", 4)]
+)
 def test_summon_full_params(use_orig_params: bool, strategy: str, world_size: int) -> None:
     run_on_ranks(_summon, world_size, use_orig_params, strategy)
 
@@ -248,8 +262,14 @@ def _activation_checkpointing(style: str, strategy: str, use_orig_params: bool) 
     assert_same_params(ours, reference)
 
 
-@parameterized.expand([("wrapper", "FULL_SHARD", False), ("wrapper", "SHARD_GRAD_OP", True),
-                       ("inside", "FULL_SHARD", True), ("inside", "FULL_SHARD", False)])
+@parameterized.expand(
+    [
+        ("wrapper", "FULL_SHARD", False),
+        ("wrapper", "SHARD_GRAD_OP", True),
+        ("inside", "FULL_SHARD", True),
+        ("inside", "FULL_SHARD", False),
+    ]
+)
 def test_activation_checkpointing_matches_ddp(style: str, strategy: str, use_orig_params: bool) -> None:
     run_on_ranks(_activation_checkpointing, 2, style, strategy, use_orig_params)
 
@@ -276,8 +296,15 @@ def _cpu_offload(strategy: str, use_orig_params: bool) -> None:
         assert_close(dict(ours.named_parameters())["tok.weight"], reference.tok.weight.detach(), "summoned")
 
 
-@parameterized.expand([("FULL_SHARD", False, 2), ("SHARD_GRAD_OP", True, 2), ("NO_SHARD", True, 2),
-                       ("NO_SHARD", False, 2), ("FULL_SHARD", True, 4)])
+@parameterized.expand(
+    [
+        ("FULL_SHARD", False, 2),
+        ("SHARD_GRAD_OP", True, 2),
+        ("NO_SHARD", True, 2),
+        ("NO_SHARD", False, 2),
+        ("FULL_SHARD", True, 4),
+    ]
+)
 def test_cpu_offload_matches_ddp(strategy: str, use_orig_params: bool, world_size: int) -> None:
     """CPUOffload(offload_params=True) runs on a CPU-only machine (torch's FSDP1 fails there)."""
     run_on_ranks(_cpu_offload, world_size, strategy, use_orig_params)
@@ -316,9 +343,10 @@ def _batchnorm_under_mixed_precision() -> None:
                 model, auto_wrap_policy=wrap_module.ModuleWrapPolicy({models.Block}), mixed_precision=mp, **extra
             )
 
+    import torch.distributed.fsdp.wrap
+
     import fsdp_legacy
     import fsdp_legacy.wrap
-    import torch.distributed.fsdp.wrap
 
     ours = build(fsdp_legacy, fsdp_legacy.wrap)
     theirs = build(torch_fsdp, torch.distributed.fsdp.wrap, device_id=torch.device("cpu"))
@@ -332,7 +360,7 @@ def _batchnorm_under_mixed_precision() -> None:
                 loss_of(model(x)).backward()
             opt.step()
             opt.zero_grad()
-    for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs)):
+    for a, b in zip(FSDP.fsdp_modules(ours), torch_fsdp.FullyShardedDataParallel.fsdp_modules(theirs), strict=True):
         assert_close(a._flat_param.detach(), b._flat_param.detach(), type(a.module).__name__)
 
 

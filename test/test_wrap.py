@@ -257,15 +257,18 @@ def test_mixed_precision_override_and_fp32_hooks() -> None:
     units = dict(out.units)
     assert units["features.1"]["mixed_precision"] is None and units["bn"]["mixed_precision"] is None
     assert units["block"]["mixed_precision"] == MixedPrecision(param_dtype=torch.bfloat16)
-    assert out.warnings == [(
-        "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped module has "
-        "submodules of type:\n{<class 'torch.nn.modules.batchnorm.BatchNorm1d'>}\n"
-        "These modules will be wrapped as separate FSDP instacnes with mixed precision disabled."
-    )]
+    assert out.warnings == [
+        (
+            "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped module has "
+            "submodules of type:\n{<class 'torch.nn.modules.batchnorm.BatchNorm1d'>}\n"
+            "These modules will be wrapped as separate FSDP instacnes with mixed precision disabled."
+        )
+    ]
     model = BNNet()
     with pytest.warns(UserWarning, match="instacnes"):
-        our_wrap.auto_wrap(model, our_wrap.always_wrap_policy, Wrapper, set(), set(),
-                           {"mixed_precision": MixedPrecision()})
+        our_wrap.auto_wrap(
+            model, our_wrap.always_wrap_policy, Wrapper, set(), set(), {"mixed_precision": MixedPrecision()}
+        )
     bn = model.bn.module
     x = torch.randn(4, 8).bfloat16()
     with torch.no_grad():
@@ -288,8 +291,14 @@ def test_ignored_roots_are_expanded(policy: str) -> None:
 def test_accepts_torch_policy_objects(policy: str) -> None:
     ours = run_auto_wrap("ours", "transformer", POLICIES[policy])
     model = Transformer()
-    our_wrap.auto_wrap(model, POLICIES[policy](torch_wrap), Wrapper, set(), set(), {
-        "sharding_strategy": "FULL_SHARD", "mixed_precision": None, "use_orig_params": False})
+    our_wrap.auto_wrap(
+        model,
+        POLICIES[policy](torch_wrap),
+        Wrapper,
+        set(),
+        set(),
+        {"sharding_strategy": "FULL_SHARD", "mixed_precision": None, "use_orig_params": False},
+    )
     assert repr(model) == ours.tree
 
 
@@ -431,6 +440,7 @@ def test_public_surface_matches_torch() -> None:
 
 def test_module_wrap_policy_repr_and_call() -> None:
     policy = our_wrap.ModuleWrapPolicy([Block])
-    assert re.fullmatch(r"<fsdp_legacy\.wrap\.ModuleWrapPolicy object at 0x[0-9a-f]+>\(\{<class '.*Block'>\}\)",
-                        repr(policy))
+    assert re.fullmatch(
+        r"<fsdp_legacy\.wrap\.ModuleWrapPolicy object at 0x[0-9a-f]+>\(\{<class '.*Block'>\}\)", repr(policy)
+    )
     assert policy(Net(), True) and not policy(Net(), False) and policy(Block(), False)

@@ -50,9 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import fsdp_legacy from the checkout
-from gpt import GPT, Block, DeepMLP, GPTConfig, MLPBlock
-
 from fsdp_legacy.memory import MemoryTracker
+from gpt import GPT, Block, DeepMLP, GPTConfig, MLPBlock
 
 IMPLS = ["ours", "torch_fsdp1", "fsdp2", "ddp"]
 MODELS = ["gpt", "gpt-bf16", "mlp"]
@@ -92,9 +91,7 @@ def make_workload(name: str, rank: int, device: torch.device, seed: int) -> Work
         cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=8, n_head=4, d_model=256)
         x = torch.randint(cfg.vocab_size, (4, cfg.block_size), generator=g).to(device)
         y = torch.randint(cfg.vocab_size, (4, cfg.block_size), generator=g).to(device)
-        return Workload(
-            seeded(lambda: GPT(cfg)), Block, lambda m: m(x, y)[1], "GPT 8 x d256, batch 4 x 128 tokens"
-        )
+        return Workload(seeded(lambda: GPT(cfg)), Block, lambda m: m(x, y)[1], "GPT 8 x d256, batch 4 x 128 tokens")
     if name == "mlp":
         x = torch.randn(64, 128, generator=g).to(device)
         y = torch.randn(64, 128, generator=g).to(device)
@@ -117,9 +114,7 @@ def wrap(impl: str, wl: Workload, device: torch.device) -> nn.Module:
         if wl.bf16:
             mp = fsdp.MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32, buffer_dtype=bf16)
         # Identical arguments: ours is a drop-in replacement.
-        return fsdp.FullyShardedDataParallel(
-            module, auto_wrap_policy=policy, mixed_precision=mp, device_id=device
-        )
+        return fsdp.FullyShardedDataParallel(module, auto_wrap_policy=policy, mixed_precision=mp, device_id=device)
     if impl == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -230,7 +225,7 @@ def guarded(row: Row, phase: str, fn: Callable[[], Any]) -> Any:
     """Run ``fn``; on failure (on any rank) record the error in ``row`` and return None."""
     try:
         result, err = fn(), None
-    except Exception as e:  # noqa: BLE001 - one broken implementation must not stop the others
+    except Exception as e:
         result, err = None, f"{type(e).__name__}: {e}".splitlines()[0]
         if dist.get_rank() == 0:
             traceback.print_exc()
@@ -347,9 +342,7 @@ def plot(rows: list[Row], path: Path, title: str, descs: dict[str, str]) -> None
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise SystemExit(
-            "--plot needs matplotlib: pip install matplotlib (or fsdp_legacy[plot])"
-        ) from e
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (or fsdp_legacy[plot])") from e
 
     models = list(dict.fromkeys(r.model for r in rows))
     world_sizes = sorted({r.ranks for r in rows})
@@ -443,9 +436,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
     p.add_argument("--nproc", default="2", help="ranks to spawn; a comma-separated list runs once per world size")
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch threads per rank (default: cores / nproc)"
-    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / nproc)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="markdown file whose benchmark table to rewrite")
     p.add_argument("--plot", default=None, help="PNG file to draw the results in (needs matplotlib)")

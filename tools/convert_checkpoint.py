@@ -29,15 +29,24 @@ from fsdp_legacy.convert import FORMATS, CheckpointError, convert_checkpoint
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="checkpoint to convert: a DCP directory, a torch.save file, or per-rank "
-                                   "LOCAL torch.save files (their directory or a glob pattern)")
+    p.add_argument(
+        "source",
+        help="checkpoint to convert: a DCP directory, a torch.save file, or per-rank "
+        "LOCAL torch.save files (their directory or a glob pattern)",
+    )
     p.add_argument("destination", help="where to write the converted checkpoint")
     p.add_argument("--to", required=True, choices=FORMATS, help="target format")
-    p.add_argument("--world-size", type=int, help="--to local: the world size to lay flat parameters out for "
-                                                  "(default: the one of the layout)")
-    p.add_argument("--layout-from", help="a checkpoint carrying the flat-parameter layout (one saved by fsdp_legacy "
-                                         "under LOCAL_STATE_DICT, or converted from one): needed for --to local from "
-                                         "a checkpoint without it, and to read torch FSDP1's LOCAL checkpoints")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="--to local: the world size to lay flat parameters out for (default: the one of the layout)",
+    )
+    p.add_argument(
+        "--layout-from",
+        help="a checkpoint carrying the flat-parameter layout (one saved by fsdp_legacy "
+        "under LOCAL_STATE_DICT, or converted from one): needed for --to local from "
+        "a checkpoint without it, and to read torch FSDP1's LOCAL checkpoints",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     p.add_argument("--no-verify", action="store_true", help="skip reading the output back")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -48,7 +57,8 @@ class Progress:
     """A tqdm bar per phase when tqdm is installed (the `tools` extra), else a line every 10%."""
 
     def __init__(self, quiet: bool) -> None:
-        self.quiet, self.phase, self.bar, self.shown = quiet, None, None, -1
+        self.quiet, self.bar, self.shown = quiet, None, -1
+        self.phase: str | None = None
         try:
             from tqdm import tqdm
         except ImportError:
@@ -79,13 +89,23 @@ class Progress:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if os.path.exists(args.destination) and not args.overwrite:
-        print(f"error: {args.destination} exists; pass --overwrite to replace it (atomically: the old checkpoint "
-              "stays intact until the new one is complete).", file=sys.stderr)
+        print(
+            f"error: {args.destination} exists; pass --overwrite to replace it (atomically: the old checkpoint "
+            "stays intact until the new one is complete).",
+            file=sys.stderr,
+        )
         return 2
     progress = Progress(args.quiet)
     try:
-        report = convert_checkpoint(args.source, args.destination, to=args.to, world_size=args.world_size,
-                                    layout_from=args.layout_from, verify=not args.no_verify, progress=progress)
+        report = convert_checkpoint(
+            args.source,
+            args.destination,
+            to=args.to,
+            world_size=args.world_size,
+            layout_from=args.layout_from,
+            verify=not args.no_verify,
+            progress=progress,
+        )
     except CheckpointError as error:
         progress.close()
         print(f"error: {error}", file=sys.stderr)

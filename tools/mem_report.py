@@ -14,25 +14,24 @@ module classes named by `--wrap` (default: the model's block class, GPT's `Block
 from __future__ import annotations
 
 import argparse
-import warnings
 import importlib
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp_legacy from the checkout
-from gpt import GPT, Block, GPTConfig  # noqa: E402
-
-from fsdp_legacy import CPUOffload, MixedPrecision, ShardingStrategy  # noqa: E402
-from fsdp_legacy.memory import MemoryProfile, Phase, estimate_memory  # noqa: E402
-from fsdp_legacy.memory.table import markdown, unit_for  # noqa: E402
-from fsdp_legacy.wrap import ModuleWrapPolicy  # noqa: E402
+from fsdp_legacy import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_legacy.memory import MemoryProfile, Phase, estimate_memory
+from fsdp_legacy.memory.table import markdown, unit_for
+from fsdp_legacy.wrap import ModuleWrapPolicy
+from gpt import GPT, Block, GPTConfig
 
 GPT_CONFIGS = {  # name -> (config, default batch x sequence)
     "gpt-small": (GPTConfig(vocab_size=256, block_size=128, n_layer=8, n_head=4, d_model=256), (4, 128)),
@@ -62,7 +61,9 @@ def workload(args: argparse.Namespace) -> Workload:
         unit = _class(args.wrap) if args.wrap else Block
         return Workload(build, unit, args.vocab_size, args.batch or (1, 2048))
     config, batch = GPT_CONFIGS[args.model]
-    return Workload(lambda: GPT(config), _class(args.wrap) if args.wrap else Block, config.vocab_size, args.batch or batch)
+    return Workload(
+        lambda: GPT(config), _class(args.wrap) if args.wrap else Block, config.vocab_size, args.batch or batch
+    )
 
 
 def _class(dotted: str) -> type[nn.Module]:
@@ -107,7 +108,11 @@ def wrap_plan(work: Workload) -> str:
         f"  largest unit: {largest[0]} with {largest[1]:,}",
     ]
     if sizes:
-        lines.append(f"  per unit: {sizes[0][1]:,}" if len({n for _, n in sizes}) == 1 else "  units: " + ", ".join(f"{n}={c:,}" for n, c in sizes))
+        lines.append(
+            f"  per unit: {sizes[0][1]:,}"
+            if len({n for _, n in sizes}) == 1
+            else "  units: " + ", ".join(f"{n}={c:,}" for n, c in sizes)
+        )
     return "\n".join(lines)
 
 

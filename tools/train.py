@@ -203,8 +203,15 @@ def train(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def migrate_to_fsdp2(args: argparse.Namespace, model: Any, opt: torch.optim.Optimizer, build: Any, data_iter: Any,
-                     device: torch.device, dtypes: dict[str, torch.dtype] | None) -> None:
+def migrate_to_fsdp2(
+    args: argparse.Namespace,
+    model: Any,
+    opt: torch.optim.Optimizer,
+    build: Any,
+    data_iter: Any,
+    device: torch.device,
+    dtypes: dict[str, torch.dtype] | None,
+) -> None:
     """Checkpoint -> offline conversion -> FSDP2, then both models continue on the same batches."""
     import shutil
 
@@ -242,7 +249,9 @@ def migrate_to_fsdp2(args: argparse.Namespace, model: Any, opt: torch.optim.Opti
     # 3. FSDP2 loads it with torch's own helpers into a model initialised differently (all comes from the file).
     torch.manual_seed(args.seed + 1)
     model2 = build().to(device)
-    mp_policy = MixedPrecisionPolicy(dtypes["param_dtype"], dtypes["reduce_dtype"]) if dtypes else MixedPrecisionPolicy()
+    mp_policy = (
+        MixedPrecisionPolicy(dtypes["param_dtype"], dtypes["reduce_dtype"]) if dtypes else MixedPrecisionPolicy()
+    )
     for block in model2.blocks:
         fully_shard(block, mp_policy=mp_policy)
     fully_shard(model2, mp_policy=mp_policy)
@@ -264,8 +273,9 @@ def migrate_to_fsdp2(args: argparse.Namespace, model: Any, opt: torch.optim.Opti
             dist.all_reduce(mean)
             losses.append(mean.item() / dist.get_world_size())
         if rank == 0:
-            print(f"  continued step {step + 1}: fsdp_legacy loss {losses[0]:.5f}, FSDP2 loss {losses[1]:.5f}",
-                  flush=True)
+            print(
+                f"  continued step {step + 1}: fsdp_legacy loss {losses[0]:.5f}, FSDP2 loss {losses[1]:.5f}", flush=True
+            )
 
 
 def launch_local(nproc: int) -> None:

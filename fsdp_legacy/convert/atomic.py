@@ -11,7 +11,7 @@ import contextlib
 import os
 import shutil
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 from .errors import CheckpointError
 

@@ -8,14 +8,15 @@ and read one at a time, which is what bounds a conversion's memory by the larges
 import abc
 import itertools
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any
 
 import torch
 
 from .errors import CheckpointError
 
-Path = tuple[Union[str, int], ...]
+Path = tuple[str | int, ...]
 Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one stored piece of a tensor
 
 
@@ -48,19 +49,19 @@ class Checkpoint(abc.ABC):
         """Elements [start, stop) of the flattened tensor at `path`; readers override it to read less."""
         return self.read(path).reshape(-1)[start:stop]
 
-    def chunks(self, path: Path) -> Optional[list[Chunk]]:
+    def chunks(self, path: Path) -> list[Chunk] | None:
         """How the tensor is stored in pieces (DCP), None where the format has no pieces."""
         return None
 
     def tensors(self) -> Iterator[tuple[Path, TensorMeta]]:
         return ((path, leaf) for path, leaf in self.leaves.items() if isinstance(leaf, TensorMeta))
 
-    def section(self, name: str) -> dict[str, Any]:
+    def section(self, name: str) -> dict[str | int, Any]:
         """The leaves directly under a top-level key, by their second path element (`model` -> FQN -> leaf)."""
         return {path[1]: leaf for path, leaf in self.leaves.items() if len(path) == 2 and path[0] == name}
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 (optional to override: most formats hold no open file)
+        """Release open files; formats that keep none need not override it."""
 
     def __enter__(self) -> "Checkpoint":
         return self

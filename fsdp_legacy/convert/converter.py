@@ -14,8 +14,8 @@ was written is read back and compared with the source bit for bit.
 import glob
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -46,11 +46,13 @@ class ConversionReport:
 
     def summary(self) -> str:
         check = f", verified {self.verified} tensors bit for bit" if self.verified else ", not verified"
-        return (f"{self.source} ({self.source_format}) -> {self.destination} ({self.target_format}): "
-                f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB{check}, {self.seconds:.1f} s")
+        return (
+            f"{self.source} ({self.source_format}) -> {self.destination} ({self.target_format}): "
+            f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB{check}, {self.seconds:.1f} s"
+        )
 
 
-def open_checkpoint(path: Union[str, Sequence[str]]) -> Checkpoint:
+def open_checkpoint(path: str | Sequence[str]) -> Checkpoint:
     """A DCP directory, a torch.save file, or the per-rank torch.save files of a LOCAL state dict (a directory of
     them, a glob pattern, or a list of paths), as it is stored."""
     if not isinstance(path, str):
@@ -64,9 +66,11 @@ def open_checkpoint(path: Union[str, Sequence[str]]) -> Checkpoint:
     if os.path.isfile(path):
         return TorchFile(path)
     if os.path.isdir(path):
-        raise CheckpointError(f"{path} is a directory without a DCP .metadata file or per-rank torch.save files of a "
-                              "LOCAL state dict: the save did not finish, or this is not a checkpoint. Pass a DCP "
-                              "checkpoint directory, a torch.save file, or the directory of every rank's file.")
+        raise CheckpointError(
+            f"{path} is a directory without a DCP .metadata file or per-rank torch.save files of a "
+            "LOCAL state dict: the save did not finish, or this is not a checkpoint. Pass a DCP "
+            "checkpoint directory, a torch.save file, or the directory of every rank's file."
+        )
     if glob.has_magic(path):
         raise CheckpointError(f"{path} matches no files: pass a pattern that matches every rank's file.")
     raise CheckpointError(f"{path} does not exist.")
@@ -79,13 +83,13 @@ def format_of(checkpoint: Checkpoint) -> str:
 
 
 def convert_checkpoint(
-    source: Union[str, Sequence[str]],
+    source: str | Sequence[str],
     destination: str,
     to: str,
-    world_size: Optional[int] = None,
-    layout_from: Optional[str] = None,
+    world_size: int | None = None,
+    layout_from: str | None = None,
     verify: bool = True,
-    progress: Optional[Progress] = None,
+    progress: Progress | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint at `source` (any of the three formats, detected; a LOCAL one also as per-rank
     torch.save files: their directory, a glob pattern or a list) to format `to` at `destination`, atomically.
@@ -108,7 +112,7 @@ def convert_checkpoint(
         target, chunks = view, {}
         if to == "local":
             target = Flattened(view, _target_layout(view, layout, world_size))
-            chunks = {path: target.chunks(path) for path, _ in target.tensors() if target.chunks(path) is not None}
+            chunks = {path: pieces for path, _ in target.tensors() if (pieces := target.chunks(path)) is not None}
         total = sum(leaf.nbytes for _, leaf in target.tensors())
         written = 0
 
@@ -123,20 +127,23 @@ def convert_checkpoint(
             write_dcp(target, destination, chunks, on_tensor)
         verified = verify_conversion(target, destination, progress) if verify else 0
         tensors = sum(1 for _ in target.tensors())
-    return ConversionReport(stored.location, destination, source_format, to, tensors, total, verified,
-                            time.perf_counter() - start)
+    return ConversionReport(
+        stored.location, destination, source_format, to, tensors, total, verified, time.perf_counter() - start
+    )
 
 
 def _records_of(path: str) -> dict[str, FlatParamRecord]:
     with open_checkpoint(path) as checkpoint:
         records = records_in(checkpoint)
     if not records:
-        raise CheckpointError(f"{path} (the layout to use) carries no flat-parameter layout records: pass a LOCAL "
-                              "checkpoint saved by fsdp_legacy, or one converted from it.")
+        raise CheckpointError(
+            f"{path} (the layout to use) carries no flat-parameter layout records: pass a LOCAL "
+            "checkpoint saved by fsdp_legacy, or one converted from it."
+        )
     return records
 
 
-def _target_layout(view: Checkpoint, layout: dict, world_size: Optional[int]) -> list[FlatParamRecord]:
+def _target_layout(view: Checkpoint, layout: dict, world_size: int | None) -> list[FlatParamRecord]:
     records = layout or records_in(view)
     if not records:
         raise CheckpointError(
@@ -162,7 +169,7 @@ def _check_optimizer(view: Checkpoint) -> None:
             )
 
 
-def verify_conversion(expected: Checkpoint, destination: str, progress: Optional[Progress] = None) -> int:
+def verify_conversion(expected: Checkpoint, destination: str, progress: Progress | None = None) -> int:
     """Read `destination` back and compare every leaf with `expected` (what was meant to be written), tensors bit for
     bit; returns the number of tensors compared."""
     progress = progress or (lambda *_: None)
@@ -176,8 +183,10 @@ def verify_conversion(expected: Checkpoint, destination: str, progress: Optional
         for path, leaf in expected.leaves.items():
             if not isinstance(leaf, TensorMeta):
                 if written.leaves[path] != leaf:
-                    raise CheckpointError(f"Verification of {destination} failed: {dotted(path)} is "
-                                          f"{written.leaves[path]!r}, expected {leaf!r}.")
+                    raise CheckpointError(
+                        f"Verification of {destination} failed: {dotted(path)} is "
+                        f"{written.leaves[path]!r}, expected {leaf!r}."
+                    )
                 continue
             if written.leaves[path] != leaf or not _same_bits(written.read(path), expected.read(path)):
                 raise CheckpointError(f"Verification of {destination} failed: {dotted(path)} differs from the source.")

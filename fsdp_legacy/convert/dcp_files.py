@@ -16,7 +16,8 @@ import io
 import os
 import pickle
 import warnings
-from typing import Any, Callable, Mapping, Optional, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,8 +44,14 @@ METADATA_FILE = ".metadata"
 # Everything a DCP .metadata pickle may name; anything else could run code when unpickled.
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -79,41 +86,51 @@ class DcpCheckpoint(Checkpoint):
         if not isinstance(storage, Mapping) or any(
             type(v).__name__ != "_StorageInfo" or getattr(v, "transform_descriptors", None) for v in storage.values()
         ):
-            raise CheckpointError(f"{path} was written by a DCP storage writer other than FileSystemWriter without "
-                                  "extensions (or compresses its items): only that layout can be read offline.")
-        stored = {(index.fqn, tuple(index.offset) if index.offset is not None else None): info
-                  for index, info in storage.items()}
+            raise CheckpointError(
+                f"{path} was written by a DCP storage writer other than FileSystemWriter without "
+                "extensions (or compresses its items): only that layout can be read offline."
+            )
+        stored = {
+            (index.fqn, tuple(index.offset) if index.offset is not None else None): info
+            for index, info in storage.items()
+        }
         mapping = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
         self._items: dict[Path, list[_Stored]] = {}
         self.leaves = {}
         for key, entry in metadata.state_dict_metadata.items():
-            path = tuple(mapping.get(key, (key,)))
+            leaf_path: Path = tuple(mapping.get(key, (key,)))
             if isinstance(entry, TensorStorageMetadata):
-                self._items[path] = [self._locate(stored, key, tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
-                self.leaves[path] = TensorMeta(torch.Size(entry.size), entry.properties.dtype)
+                self._items[leaf_path] = [
+                    self._locate(stored, key, tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks
+                ]
+                self.leaves[leaf_path] = TensorMeta(torch.Size(entry.size), entry.properties.dtype)
                 covered = sum(torch.Size(c.sizes).numel() for c in entry.chunks)
                 if covered != torch.Size(entry.size).numel():
-                    raise CheckpointError(f"{path}/{METADATA_FILE}: the chunks of {key} cover {covered} of its "
-                                          f"{torch.Size(entry.size).numel()} elements: the checkpoint is incomplete.")
+                    raise CheckpointError(
+                        f"{path}/{METADATA_FILE}: the chunks of {key} cover {covered} of its "
+                        f"{torch.Size(entry.size).numel()} elements: the checkpoint is incomplete."
+                    )
             elif isinstance(entry, BytesStorageMetadata):
-                self.leaves[path] = self._load(self._locate(stored, key, None, None), key)
+                self.leaves[leaf_path] = self._load(self._locate(stored, key, None, None), key)
         if not any(p[0] == "model" for p in self.leaves) and all(len(p) == 1 for p in self.leaves):
             self._items = {("model", *p): v for p, v in self._items.items()}  # dcp.save(model.state_dict())
             self.leaves = {("model", *p): v for p, v in self.leaves.items()}
-        self._cache: tuple[Optional[_Stored], Any] = (None, None)  # the last item read: flat slices reuse it
+        self._cache: tuple[_Stored | None, Any] = (None, None)  # the last item read: flat slices reuse it
 
     def _locate(self, stored: Mapping, key: str, offsets: Any, sizes: Any) -> _Stored:
         info = stored.get((key, offsets))
         if info is None:
-            raise CheckpointError(f"{self.location}/{METADATA_FILE} lists {key} but not where it is stored: the "
-                                  "metadata is damaged. Restore the checkpoint from a copy.")
+            raise CheckpointError(
+                f"{self.location}/{METADATA_FILE} lists {key} but not where it is stored: the "
+                "metadata is damaged. Restore the checkpoint from a copy."
+            )
         return _Stored(offsets, sizes, str(info.relative_path), int(info.offset), int(info.length))
 
     def read(self, path: Path) -> torch.Tensor:
         meta = self.leaves[path]
         out = torch.empty(meta.shape, dtype=meta.dtype)
         for item in self._items[path]:
-            region = tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes))
+            region = tuple(slice(o, o + s) for o, s in zip(item.offsets, item.sizes, strict=True))
             out[region].copy_(self._tensor(item, path))
         return out
 
@@ -128,7 +145,7 @@ class DcpCheckpoint(Checkpoint):
                 out[lo - start : hi - start].copy_(piece)
         return out
 
-    def chunks(self, path: Path) -> Optional[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    def chunks(self, path: Path) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
         return [(item.offsets, item.sizes) for item in self._items[path]]
 
     def _tensor(self, item: _Stored, path: Path) -> torch.Tensor:
@@ -136,9 +153,11 @@ class DcpCheckpoint(Checkpoint):
             self._cache = (None, None)  # release the previous item first
             value = self._load(item, dotted(path))
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != item.sizes:
-                raise CheckpointError(f"{self.location}/{item.file}: the item of {dotted(path)} at offset "
-                                      f"{item.offset} is not the tensor chunk of shape {item.sizes} the metadata "
-                                      "lists: the checkpoint is damaged.")
+                raise CheckpointError(
+                    f"{self.location}/{item.file}: the item of {dotted(path)} at offset "
+                    f"{item.offset} is not the tensor chunk of shape {item.sizes} the metadata "
+                    "lists: the checkpoint is damaged."
+                )
             self._cache = (item, value)
         return self._cache[1]
 
@@ -148,8 +167,10 @@ class DcpCheckpoint(Checkpoint):
         try:
             handle = open(file, "rb")
         except FileNotFoundError:
-            raise CheckpointError(f"{file}, which holds {key}, is missing: the checkpoint is incomplete (copy every "
-                                  "file of the directory).") from None
+            raise CheckpointError(
+                f"{file}, which holds {key}, is missing: the checkpoint is incomplete (copy every "
+                "file of the directory)."
+            ) from None
         with handle:
             view = io.BufferedReader(_Slice(handle, item.offset, item.length))
             check_archive(view, where)
@@ -167,8 +188,10 @@ def _read_metadata(file: str) -> Metadata:
             "it is refused. Use a checkpoint from a trusted source."
         ) from None
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as error:
-        raise CheckpointError(f"{file} cannot be read: it is truncated or corrupted ({error}). Restore it from a "
-                              "copy or re-create the checkpoint.") from None
+        raise CheckpointError(
+            f"{file} cannot be read: it is truncated or corrupted ({error}). Restore it from a "
+            "copy or re-create the checkpoint."
+        ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata: not a DCP checkpoint.")
     return metadata
@@ -212,16 +235,22 @@ def write_dcp(
     """Write `source` as a DCP checkpoint, atomically, holding one source tensor in memory at a time; a tensor
     listed in `chunks` is stored as those pieces, the others whole."""
     with atomic_directory(destination) as temporary:
-        tree = unflatten({path: torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
-                          if isinstance(leaf, TensorMeta) else leaf for path, leaf in source.leaves.items()})
+        tree = unflatten(
+            {
+                path: torch.empty(leaf.shape, dtype=leaf.dtype, device="meta") if isinstance(leaf, TensorMeta) else leaf
+                for path, leaf in source.leaves.items()
+            }
+        )
         # One file per item: FileSystemWriter keeps every tensor of a file alive until the file is complete.
-        writer = FileSystemWriter(temporary, single_file_per_rank=False, sync_files=True, thread_count=1,
-                                  per_thread_copy_ahead=0)
+        writer = FileSystemWriter(
+            temporary, single_file_per_rank=False, sync_files=True, thread_count=1, per_thread_copy_ahead=0
+        )
         try:
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(tree, storage_writer=writer, planner=_StreamingPlanner(source, chunks, on_tensor),
-                         no_dist=True)
+                dcp.save(
+                    tree, storage_writer=writer, planner=_StreamingPlanner(source, chunks, on_tensor), no_dist=True
+                )
         except CheckpointException as wrapped:  # DCP wraps what the source raised (a damaged item, ...)
             raise next(iter(wrapped.failures.values()))[0] from None
 
@@ -231,7 +260,7 @@ class _StreamingPlanner(DefaultSavePlanner):
         super().__init__()
         self._source, self._on_tensor = source, on_tensor
         self._chunks = {dotted(path): pieces for path, pieces in chunks.items()}
-        self._cache: tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
+        self._cache: tuple[str | None, torch.Tensor | None] = (None, None)
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -258,10 +287,11 @@ class _StreamingPlanner(DefaultSavePlanner):
             self._cache = (index.fqn, self._source.read(self.mappings[index.fqn]))
         return self._cache[1]
 
-    def resolve_data(self, write_item: WriteItem) -> Union[torch.Tensor, io.BytesIO]:
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = super().resolve_data(write_item)
         if write_item.tensor_data is not None:
+            assert isinstance(data, torch.Tensor), "a tensor item resolves to a tensor"
             chunk = write_item.tensor_data.chunk
-            data = data[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
+            data = data[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))]
             self._on_tensor(self.mappings[write_item.index.fqn], data.numel() * data.element_size())
         return data

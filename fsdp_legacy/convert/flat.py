@@ -7,7 +7,8 @@ filled with torch's value. Everything else (buffers, parameters outside FSDP uni
 keyed by FQN in every format) passes through unchanged.
 """
 
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -28,8 +29,10 @@ def records_in(checkpoint: Checkpoint) -> dict[str, FlatParamRecord]:
                 where = f"{section}.{key} in {checkpoint.location}"
                 record = FlatParamRecord.from_tensor(checkpoint.read((section, key)), where)
                 if record.record_key != key:
-                    raise CheckpointError(f"{where} is the record of {record.flat_key}, not of the key it is stored "
-                                          "under: the checkpoint was edited inconsistently. Restore it from a copy.")
+                    raise CheckpointError(
+                        f"{where} is the record of {record.flat_key}, not of the key it is stored "
+                        "under: the checkpoint was edited inconsistently. Restore it from a copy."
+                    )
                 found[record.flat_key] = record
     return found
 
@@ -44,14 +47,16 @@ class Unflattened(Checkpoint):
     """A LOCAL checkpoint by original FQN. `layout` supplies records for flat parameters saved without one (by
     torch's FSDP1), taken from another checkpoint of the same model and wrapping, at any world size."""
 
-    def __init__(self, source: Checkpoint, layout: Optional[Mapping[str, FlatParamRecord]] = None) -> None:
+    def __init__(self, source: Checkpoint, layout: Mapping[str, FlatParamRecord] | None = None) -> None:
         self.location, self._source = source.location, source
         model = source.section("model")
         own = records_in(source)
         flats = [key for key in model if isinstance(key, str) and key.endswith(FLAT_PARAM)]
         for key in own.keys() - set(flats):
-            raise CheckpointError(f"{source.location} has the layout record model.{key}{RECORD_SUFFIX} but no flat "
-                                  f"parameter model.{key}: the checkpoint is incomplete or was edited.")
+            raise CheckpointError(
+                f"{source.location} has the layout record model.{key}{RECORD_SUFFIX} but no flat "
+                f"parameter model.{key}: the checkpoint is incomplete or was edited."
+            )
         self._records = {key: self._record(key, model[key], own.get(key), layout or {}) for key in flats}
         self._params: dict[Path, tuple[Path, ParamRecord]] = {}  # parameter's path -> (flat path, its place)
         managed: dict[str, list[Path]] = {}  # flat key -> its parameters' paths (tied ones included)
@@ -63,12 +68,16 @@ class Unflattened(Checkpoint):
             managed[key] = [("model", record.prefix + fqn) for fqn, _ in pairs]
         self.leaves = {}
         for path, leaf in source.leaves.items():
-            key = path[1] if len(path) == 2 and path[0] == "model" else None
-            if key in self._records:
-                dtype = self._records[key].dtype
-                self.leaves.update((p, TensorMeta(torch.Size(self._params[p][1].shape), dtype)) for p in managed[key])
-            elif path in self._params or path[0] == LAYOUT or (
-                isinstance(key, str) and key.endswith(FLAT_PARAM + RECORD_SUFFIX)
+            flat_key = path[1] if len(path) == 2 and path[0] == "model" else None
+            if isinstance(flat_key, str) and flat_key in self._records:
+                dtype = self._records[flat_key].dtype
+                self.leaves.update(
+                    (p, TensorMeta(torch.Size(self._params[p][1].shape), dtype)) for p in managed[flat_key]
+                )
+            elif (
+                path in self._params
+                or path[0] == LAYOUT
+                or (isinstance(flat_key, str) and flat_key.endswith(FLAT_PARAM + RECORD_SUFFIX))
             ):
                 continue  # use_orig_params' per-rank views, and the records (now in the layout section)
             else:
@@ -76,7 +85,7 @@ class Unflattened(Checkpoint):
         self._layout = {(LAYOUT, r.record_key): r.to_tensor() for r in self._records.values()}
         self.leaves.update((path, TensorMeta.of(t)) for path, t in self._layout.items())
 
-    def _record(self, key: str, leaf: Any, own: Optional[FlatParamRecord], layout: Mapping) -> FlatParamRecord:
+    def _record(self, key: str, leaf: Any, own: FlatParamRecord | None, layout: Mapping) -> FlatParamRecord:
         where = f"model.{key} in {self.location}"
         if not isinstance(leaf, TensorMeta) or len(leaf.shape) != 1:
             raise CheckpointError(f"{where} is not a 1-D tensor, so not a flat parameter of a LOCAL_STATE_DICT.")
@@ -126,7 +135,7 @@ class Flattened(Checkpoint):
 
     def __init__(self, source: Checkpoint, records: Iterable[FlatParamRecord]) -> None:
         self.location, self._source = source.location, source
-        self._records = {("model", r.flat_key): r for r in records}
+        self._records: dict[Path, FlatParamRecord] = {("model", r.flat_key): r for r in records}
         self._record_tensors = {("model", r.record_key): r.to_tensor() for r in self._records.values()}
         model = source.section("model")
         owner: dict[Path, FlatParamRecord] = {}  # every parameter a flat parameter holds, tied ones included
@@ -136,16 +145,16 @@ class Flattened(Checkpoint):
             owner.update((("model", fqn), record) for fqn in record.fqns())
         self.leaves = {}
         for path, leaf in source.leaves.items():
-            record = owner.get(path)
-            if record is None:
+            holder = owner.get(path)
+            if holder is None:
                 if path[0] != LAYOUT:  # the records now sit beside their flat parameters
                     self.leaves[path] = leaf
-            elif ("model", record.flat_key) not in self.leaves:  # where the unit's first parameter was
-                meta = self._record_tensors[("model", record.record_key)]
-                self.leaves[("model", record.flat_key)] = TensorMeta(torch.Size([record.numel]), record.dtype)
-                self.leaves[("model", record.record_key)] = TensorMeta.of(meta)
+            elif ("model", holder.flat_key) not in self.leaves:  # where the unit's first parameter was
+                meta = self._record_tensors[("model", holder.record_key)]
+                self.leaves[("model", holder.flat_key)] = TensorMeta(torch.Size([holder.numel]), holder.dtype)
+                self.leaves[("model", holder.record_key)] = TensorMeta.of(meta)
 
-    def _check(self, record: FlatParamRecord, fqn: str, shape: tuple[int, ...], model: Mapping[str, Any]) -> None:
+    def _check(self, record: FlatParamRecord, fqn: str, shape: tuple[int, ...], model: Mapping[str | int, Any]) -> None:
         where = f"model.{fqn} in {self.location}"
         leaf = model.get(fqn)
         if leaf is None:
@@ -179,7 +188,7 @@ class Flattened(Checkpoint):
             )
         return flat
 
-    def chunks(self, path: Path) -> Optional[list[Chunk]]:
+    def chunks(self, path: Path) -> list[Chunk] | None:
         record = self._records.get(path)
         return [((o,), (n,)) for o, n in record.rank_chunks()] if record is not None else None
 

@@ -5,15 +5,16 @@ ShardedTensors weights_only refuses). Errors name the file and say what to do.""
 import os
 import pickle
 import types
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Collection, Mapping, Union
+from typing import Any, BinaryIO
 
 import torch
 
 from .errors import CheckpointError
 
 
-def safe_load(file: Union[str, BinaryIO], where: str, mmap: bool = False) -> Any:
+def safe_load(file: str | BinaryIO, where: str, mmap: bool = False) -> Any:
     """torch.load(weights_only=True) onto the CPU: tensors and plain containers only, never pickled code."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
@@ -103,7 +104,7 @@ class _Inert:
         return state[name]
 
 
-def _inert(name: str) -> type:
+def _inert(name: str) -> type[_Inert]:
     return type(name, (_Inert,), {})
 
 
@@ -127,14 +128,21 @@ def _rebuild_sharded(func: Any, new_type: Any, args: Any, state: Any) -> LocalSh
     if not isinstance(state, tuple) or len(state) != 5:
         raise pickle.UnpicklingError("a ShardedTensor whose state is not (shards, metadata, group, spec, rrefs)")
     shards, metadata, group = state[:3]
-    if not (isinstance(shards, list) and all(isinstance(s, _Shard) for s in shards)
-            and isinstance(metadata, _ShardedTensorMetadata) and isinstance(group, _ShardedTensor.ProcessGroupState)):
+    if not (
+        isinstance(shards, list)
+        and all(isinstance(s, _Shard) for s in shards)
+        and isinstance(metadata, _ShardedTensorMetadata)
+        and isinstance(group, _ShardedTensor.ProcessGroupState)
+    ):
         raise pickle.UnpicklingError("a ShardedTensor with a malformed state")
     pieces = []
     for shard in shards:
         tensor, where = shard.field("tensor"), shard.field("metadata")
-        if not isinstance(tensor, torch.Tensor) or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or \
-                not isinstance(where, _ShardMetadata):
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+            or not isinstance(where, _ShardMetadata)
+        ):
             raise pickle.UnpicklingError("a ShardedTensor shard that is not a plain tensor with its metadata")
         offsets = tuple(int(o) for o in where.field("shard_offsets"))
         if tuple(int(s) for s in where.field("shard_sizes")) != tuple(tensor.shape):
@@ -144,8 +152,13 @@ def _rebuild_sharded(func: Any, new_type: Any, args: Any, state: Any) -> LocalSh
     dtype = properties.field("dtype") if isinstance(properties.state, dict) else properties.state[0]
     if not isinstance(dtype, torch.dtype):
         raise pickle.UnpicklingError("a ShardedTensor without a dtype")
-    return LocalShards(tuple(pieces), torch.Size(metadata.field("size")), dtype,
-                       int(group.field("global_rank")), int(group.field("global_world_size")))
+    return LocalShards(
+        tuple(pieces),
+        torch.Size(metadata.field("size")),
+        dtype,
+        int(group.field("global_rank")),
+        int(group.field("global_world_size")),
+    )
 
 
 def _never_called(*_: Any) -> None:
@@ -213,7 +226,14 @@ def load_rank_file(path: str) -> Any:
             "runs code from a checkpoint. Use a checkpoint from a trusted source, saved with torch.save(model."
             "state_dict()) under LOCAL_STATE_DICT."
         ) from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError,
-            IndexError) as error:
+    except (
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        OSError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+    ) as error:
         raise _corrupted(path, error) from None
-

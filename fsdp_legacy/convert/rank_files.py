@@ -13,7 +13,8 @@ leaf (buffers, layout records, use_orig_params' per-rank views) is rank 0's.
 import glob
 import os
 import zipfile
-from typing import Any, Mapping, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def is_rank_file(path: str) -> bool:
         return False
 
 
-def rank_files_in(source: Union[str, Sequence[str]]) -> list[str]:
+def rank_files_in(source: str | Sequence[str]) -> list[str]:
     """The per-rank files a source names: a list of files, a glob pattern, a directory (its rank files), or one
     file. Empty when it names none."""
     if not isinstance(source, str):
@@ -67,8 +68,10 @@ class RankFiles(Checkpoint):
             world_sizes.setdefault(world_size, file)
         if len(world_sizes) > 1:
             described = ", ".join(f"{w} ({f})" for w, f in sorted(world_sizes.items()))
-            raise CheckpointError(f"{location}: the per-rank files were saved at different world sizes: {described}. "
-                                  "Pass the files of one save.")
+            raise CheckpointError(
+                f"{location}: the per-rank files were saved at different world sizes: {described}. "
+                "Pass the files of one save."
+            )
         world_size = next(iter(world_sizes))
         missing = sorted(set(range(world_size)) - set(by_rank))
         if missing:
@@ -83,9 +86,12 @@ class RankFiles(Checkpoint):
             sharded = {p for p, v in leaves.items() if isinstance(v, LocalShards)}
             if sharded != {p for p, v in first.items() if isinstance(v, LocalShards)} or leaves.keys() != first.keys():
                 different = sorted(dotted(p) for p in leaves.keys() ^ first.keys()) or sorted(
-                    dotted(p) for p in sharded ^ {q for q, v in first.items() if isinstance(v, LocalShards)})
-                raise CheckpointError(f"{file} (rank {rank}) and {first_file} (rank 0) do not hold the same keys "
-                                      f"({different}): they are not from one save. Pass the files of one save.")
+                    dotted(p) for p in sharded ^ {q for q, v in first.items() if isinstance(v, LocalShards)}
+                )
+                raise CheckpointError(
+                    f"{file} (rank {rank}) and {first_file} (rank 0) do not hold the same keys "
+                    f"({different}): they are not from one save. Pass the files of one save."
+                )
         self.leaves, self._plain, self._pieces = {}, {}, {}
         for path, leaf in first.items():
             if isinstance(leaf, LocalShards):
@@ -110,15 +116,21 @@ class RankFiles(Checkpoint):
         leaves = flatten(tree, file)
         for path, value in leaves.items():
             if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter):
-                raise CheckpointError(f"{file}: {dotted(path)} is a {type(value).__name__}; a LOCAL state dict holds "
-                                      "plain tensors and ShardedTensors.")
+                raise CheckpointError(
+                    f"{file}: {dotted(path)} is a {type(value).__name__}; a LOCAL state dict holds "
+                    "plain tensors and ShardedTensors."
+                )
         groups = {(v.rank, v.world_size) for v in leaves.values() if isinstance(v, LocalShards)}
         if not groups:
-            raise CheckpointError(f"{file} holds no ShardedTensor, so it is not one rank's LOCAL state dict; pass "
-                                  "the per-rank files saved under LOCAL_STATE_DICT (a full file converts by itself).")
+            raise CheckpointError(
+                f"{file} holds no ShardedTensor, so it is not one rank's LOCAL state dict; pass "
+                "the per-rank files saved under LOCAL_STATE_DICT (a full file converts by itself)."
+            )
         if len(groups) > 1:
-            raise CheckpointError(f"{file} holds ShardedTensors saved by different ranks or world sizes "
-                                  f"{sorted(groups)}: it was edited or assembled from several saves.")
+            raise CheckpointError(
+                f"{file} holds ShardedTensors saved by different ranks or world sizes "
+                f"{sorted(groups)}: it was edited or assembled from several saves."
+            )
         rank, world_size = groups.pop()
         if not 0 <= rank < world_size:
             raise CheckpointError(f"{file} says it was saved by rank {rank} of {world_size}: the file is damaged.")
@@ -139,15 +151,20 @@ class RankFiles(Checkpoint):
                 if tensor.numel() == 0:
                     continue  # a rank with nothing of it (torch saves none; DCP records none)
                 if len(offsets) != len(first.shape) or any(
-                        o < 0 or o + s > n for o, s, n in zip(offsets, tensor.shape, first.shape)):
-                    raise CheckpointError(f"{dotted(path)} in {file}: a piece at {offsets} of shape "
-                                          f"{tuple(tensor.shape)} lies outside its {tuple(first.shape)} tensor: the "
-                                          "file is damaged.")
+                    o < 0 or o + s > n for o, s, n in zip(offsets, tensor.shape, first.shape, strict=False)
+                ):
+                    raise CheckpointError(
+                        f"{dotted(path)} in {file}: a piece at {offsets} of shape "
+                        f"{tuple(tensor.shape)} lies outside its {tuple(first.shape)} tensor: the "
+                        "file is damaged."
+                    )
                 pieces.setdefault((offsets, tuple(tensor.shape)), tensor)
         covered = sum(torch.Size(sizes).numel() for _, sizes in pieces)
         if covered != first.shape.numel():
-            raise CheckpointError(f"{dotted(path)} in {self.location}: the ranks' pieces cover {covered} of its "
-                                  f"{first.shape.numel()} elements: the files are not from one save, or damaged.")
+            raise CheckpointError(
+                f"{dotted(path)} in {self.location}: the ranks' pieces cover {covered} of its "
+                f"{first.shape.numel()} elements: the files are not from one save, or damaged."
+            )
         return sorted(pieces.items())
 
     def read(self, path: Path) -> torch.Tensor:
@@ -156,7 +173,7 @@ class RankFiles(Checkpoint):
         meta = self.leaves[path]
         out = torch.empty(meta.shape, dtype=meta.dtype)
         for (offsets, sizes), tensor in self._pieces[path]:
-            out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].copy_(tensor)
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].copy_(tensor)
         return out
 
     def read_flat(self, path: Path, start: int, stop: int) -> torch.Tensor:
@@ -169,5 +186,5 @@ class RankFiles(Checkpoint):
                 out[lo - start : hi - start].copy_(tensor[lo - offset : hi - offset])
         return out
 
-    def chunks(self, path: Path) -> Union[list[Chunk], None]:
+    def chunks(self, path: Path) -> list[Chunk] | None:
         return [chunk for chunk, _ in self._pieces[path]] if path in self._pieces else None

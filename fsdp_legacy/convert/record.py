@@ -70,7 +70,7 @@ class FlatParamRecord:
     def at_world_size(self, world_size: int) -> "FlatParamRecord":
         """The same parameters laid out for another world size (only use_orig_params' final padding changes)."""
         offsets, segments, numel = plan_segments([p.numel for p in self.params], self.aligned_numel, world_size)
-        params = tuple(replace(p, offset=o) for p, o in zip(self.params, offsets))
+        params = tuple(replace(p, offset=o) for p, o in zip(self.params, offsets, strict=True))
         return replace(self, world_size=world_size, params=params, segments=segments, numel=numel)
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -110,8 +110,10 @@ class FlatParamRecord:
     def from_tensor(cls, tensor: torch.Tensor, where: str) -> "FlatParamRecord":
         """Decode and validate a record; `where` (key and file) goes into every error."""
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
-            raise CheckpointError(f"{where}: a flat-parameter layout record must be a 1-D uint8 tensor, got "
-                                  f"{_describe(tensor)}. The checkpoint is damaged or the key is not a layout record.")
+            raise CheckpointError(
+                f"{where}: a flat-parameter layout record must be a 1-D uint8 tensor, got "
+                f"{_describe(tensor)}. The checkpoint is damaged or the key is not a layout record."
+            )
         try:
             body = json.loads(bytes(tensor.cpu().numpy()).decode())
             record = cls(
@@ -126,17 +128,26 @@ class FlatParamRecord:
             )
             ok = body.get("format") == FORMAT and body.get("version") == VERSION
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(f"{where}: the flat-parameter layout record is not readable ({error}); the "
-                                  "checkpoint is damaged. Re-save it, or restore it from a copy.") from None
+            raise CheckpointError(
+                f"{where}: the flat-parameter layout record is not readable ({error}); the "
+                "checkpoint is damaged. Re-save it, or restore it from a copy."
+            ) from None
         if not ok:
-            raise CheckpointError(f"{where}: unknown layout record format {body.get('format')!r} version "
-                                  f"{body.get('version')!r} (this fsdp_legacy reads {FORMAT!r} version {VERSION}); "
-                                  "upgrade fsdp_legacy.")
+            raise CheckpointError(
+                f"{where}: unknown layout record format {body.get('format')!r} version "
+                f"{body.get('version')!r} (this fsdp_legacy reads {FORMAT!r} version {VERSION}); "
+                "upgrade fsdp_legacy."
+            )
         stored = {p.fqn for p in record.params}
-        if (record.world_size < 1 or record.at_world_size(record.world_size) != record
-                or any(primary not in stored for _, primary in record.shared)):
-            raise CheckpointError(f"{where}: the layout record is inconsistent (its offsets and padding do not follow "
-                                  "from its parameter shapes); the checkpoint is damaged. Re-save it.")
+        if (
+            record.world_size < 1
+            or record.at_world_size(record.world_size) != record
+            or any(primary not in stored for _, primary in record.shared)
+        ):
+            raise CheckpointError(
+                f"{where}: the layout record is inconsistent (its offsets and padding do not follow "
+                "from its parameter shapes); the checkpoint is damaged. Re-save it."
+            )
         return record
 
 

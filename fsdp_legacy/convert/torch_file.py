@@ -8,7 +8,8 @@ torch.save wrote for the empty space are recomputed.
 """
 
 import mmap
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -27,15 +28,19 @@ class TorchFile(Checkpoint):
             check_archive(file, path)
         tree = safe_load(path, path, mmap=True)
         if not isinstance(tree, Mapping):
-            raise CheckpointError(f"{path} holds a {type(tree).__name__}, not a state dict: expected a dict such as "
-                                  '{"model": model_state_dict, "optim": optim_state_dict} or a model state dict.')
+            raise CheckpointError(
+                f"{path} holds a {type(tree).__name__}, not a state dict: expected a dict such as "
+                '{"model": model_state_dict, "optim": optim_state_dict} or a model state dict.'
+            )
         if "model" not in tree and tree and all(isinstance(v, torch.Tensor) for v in tree.values()):
             tree = {"model": tree}  # torch.save(model.state_dict())
         self._values = flatten(tree, path)
         for key, value in self._values.items():
             if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter):
-                raise CheckpointError(f"{path}: {'.'.join(map(str, key))} is a {type(value).__name__}; a full "
-                                      "checkpoint holds plain tensors (save a FULL_STATE_DICT).")
+                raise CheckpointError(
+                    f"{path}: {'.'.join(map(str, key))} is a {type(value).__name__}; a full "
+                    "checkpoint holds plain tensors (save a FULL_STATE_DICT)."
+                )
         self.leaves = {k: TensorMeta.of(v) if isinstance(v, torch.Tensor) else v for k, v in self._values.items()}
 
     def read(self, path: Path) -> torch.Tensor:
@@ -46,8 +51,10 @@ def write_torch_file(source: Checkpoint, destination: str, on_tensor: Callable[[
     """Write `source` as one torch.save file, atomically, holding one source tensor in memory at a time."""
     with atomic_file(destination) as temporary:
         with FakeTensorMode():
-            placeholders = {path: torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, TensorMeta) else leaf
-                            for path, leaf in source.leaves.items()}
+            placeholders = {
+                path: torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, TensorMeta) else leaf
+                for path, leaf in source.leaves.items()
+            }
         with torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(unflatten(placeholders), temporary)
         del placeholders
@@ -67,4 +74,4 @@ def _map_shared(path: str) -> Any:
     try:
         return safe_load(path, path, mmap=True)
     finally:
-        torch.serialization.set_default_mmap_options(previous)
+        torch.serialization.set_default_mmap_options(previous if previous is not None else mmap.MAP_PRIVATE)

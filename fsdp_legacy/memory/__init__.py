@@ -11,7 +11,8 @@ that runs the same tracker under FakeTensorMode with a fake process group to pre
 
 from .categories import Category, Phase
 from .estimator import estimate_memory
-from .profile import MemoryProfile, profile_training
+from .profile import MemoryProfile
 from .tracker import MemoryTracker, Snapshot
+from .training import profile_training
 
 __all__ = ["Category", "MemoryProfile", "MemoryTracker", "Phase", "Snapshot", "estimate_memory", "profile_training"]

@@ -5,13 +5,13 @@ A storage's role is found by identity (the storage object) from the objects that
 no owner claims is an activation when it was allocated in forward and a temporary otherwise.
 """
 
+from collections.abc import Iterable, Iterator
 from enum import Enum
-from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
-FSDP_PREFIX = "_fsdp_wrapped_module."
+from ..unit import FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit
 
 
 class Category(Enum):
@@ -42,24 +42,20 @@ def module_names(model: nn.Module) -> dict[nn.Module, str]:
 
 
 def clean(name: str) -> str:
-    return name.replace(FSDP_PREFIX, "").replace("_fsdp_wrapped_module", "").rstrip(".")
+    return name.replace(FSDP_PREFIX, "").replace(FSDP_WRAPPED_MODULE, "").rstrip(".")
 
 
 def units_of(model: nn.Module) -> list[str]:
     """FQNs of the FSDP units in `model`, the root being ""."""
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
-    return [clean(name) for name, module in model.named_modules() if isinstance(module, FSDP)]
+    return [clean(name) for name, module in model.named_modules() if isinstance(module, FSDPUnit)]
 
 
 def grad_hooks(model: nn.Module) -> Iterator[tuple[torch.Tensor, tuple[str, Category]]]:
     """(leaf tensor, the key of the gradients autograd produces for it): FSDP units' flat parameters (unsharded
     gradients when the unit computes on a separate unsharded buffer) and plain parameters (whole gradients)."""
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     flat = set()
     for name, unit in model.named_modules():
-        if isinstance(unit, FSDP) and unit._handle is not None:
+        if isinstance(unit, FSDPUnit) and unit._handle is not None:
             handle = unit._handle
             flat |= {handle.flat_param, *handle.orig_params.values()}
             if handle.flat_param.requires_grad:
@@ -74,8 +70,6 @@ def grad_hooks(model: nn.Module) -> Iterator[tuple[torch.Tensor, tuple[str, Cate
 
 def roles(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[Role]:
     """Every storage whose role the model and the optimizers know now. Later roles override earlier ones."""
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
-
     owner: dict[torch.Tensor, str] = {}  # parameter -> module FQN, for the optimizer state
     for name, module in model.named_modules():
         for param in module._parameters.values():
@@ -89,7 +83,7 @@ def roles(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> Iter
             if buffer is not None:
                 yield buffer, Category.BUFFER, clean(name)
     for name, unit in model.named_modules():
-        if isinstance(unit, FSDP) and unit._handle is not None:
+        if isinstance(unit, FSDPUnit) and unit._handle is not None:
             yield from _unit_roles(unit, clean(name))
             for param in unit._handle.orig_params.values():  # use_orig_params=True: views of the shard
                 owner[param] = clean(name)
@@ -105,8 +99,9 @@ def roles(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> Iter
                     yield value, Category.OPTIMIZER_STATE, owner.get(param, "")
 
 
-def _unit_roles(unit: nn.Module, name: str) -> Iterator[Role]:
+def _unit_roles(unit: FSDPUnit, name: str) -> Iterator[Role]:
     handle = unit._handle
+    assert handle is not None
     yield handle.flat_param, Category.SHARDED_PARAM, name
     for buffer in getattr(handle, "_unsharded_buffers", {handle.compute_dtype: handle.full_padded}).values():
         if handle.uses_buffer:  # otherwise (NO_SHARD, full precision) it is the local shard itself

@@ -6,20 +6,22 @@ sharding, all-gathers into the unsharded buffers, frees, reductions, the optimiz
 storages come and go as on a real rank, and the estimate is the measurement of a run that never happened.
 """
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .fake_world import fake_process_group
-from .profile import LossFn, MemoryProfile, OptimizerFn, profile_training, sgd
+from .profile import MemoryProfile
+from .training import LossFn, OptimizerFn, profile_training, sgd
 
 
 def estimate_memory(
     build: Callable[[], nn.Module],
     loss_fn: LossFn,
     world_size: int,
-    fsdp_kwargs: Optional[dict[str, Any]] = None,
+    fsdp_kwargs: dict[str, Any] | None = None,
     optimizer_fn: OptimizerFn = sgd,
     steps: int = 2,
     rank: int = 0,

@@ -5,10 +5,11 @@ at once without touching data, which is all the estimator needs since its tensor
 so it is imported here only, when an estimate runs.
 """
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_group
 
 
 @contextmanager
@@ -23,6 +24,6 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[dist.ProcessG
 
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield dist.group.WORLD
+        yield _get_default_group()
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """Markdown tables of peak memory: per phase by category, and per module (or FSDP unit) at the overall peak."""
 
 from collections import defaultdict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from .categories import Category, Phase
 
@@ -57,7 +57,7 @@ def module_table(breakdown: Breakdown, top: int, units: Sequence[str] = ()) -> s
     categories = [c for c in Category if any(split[c] for split in cells.values())]
     rows = [
         [module or "(root)", fmt(totals[module], div), *(fmt(cells[module][c], div) for c in categories)]
-        for module in sorted(totals, key=totals.get, reverse=True)[:top]
+        for module in sorted(totals, key=lambda m: totals[m], reverse=True)[:top]
     ]
     title = f"By {'FSDP unit' if units else 'module'} at the overall peak ({unit}, top {top})"
     return title + "\n\n" + markdown(["module", "total", *(c.value for c in categories)], rows)

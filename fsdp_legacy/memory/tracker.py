@@ -16,7 +16,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,9 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from .categories import Category, Phase, grad_hooks, module_names, roles, units_of
-
-if TYPE_CHECKING:
-    from .profile import MemoryProfile
+from .profile import MemoryProfile
 
 Key = tuple[str, Category]  # (module FQN, category)
 
@@ -79,9 +77,9 @@ class MemoryTracker(TorchDispatchMode):
     while the tracker is active marks the optimizer phase and owns its state; backward is what autograd runs.
     """
 
-    def __init__(self, model: Optional[nn.Module] = None) -> None:
+    def __init__(self, model: nn.Module | None = None) -> None:
         super().__init__()
-        self._model: Optional[weakref.ref] = None  # weak: `del model` inside the tracker frees it
+        self._model: weakref.ref | None = None  # weak: `del model` inside the tracker frees it
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.live: dict[str, int] = defaultdict(int)  # device -> bytes
         self.peaks: dict[Phase, dict[str, Snapshot]] = {phase: {} for phase in Phase}
@@ -119,24 +117,24 @@ class MemoryTracker(TorchDispatchMode):
         self.relabel()
 
     @property
-    def model(self) -> Optional[nn.Module]:
+    def model(self) -> nn.Module | None:
         return self._model() if self._model is not None else None
 
-    def peak(self, phase: Optional[Phase] = None, device: Optional[str] = None) -> int:
+    def peak(self, phase: Phase | None = None, device: str | None = None) -> int:
         """Peak live bytes in `phase` (all phases if None) on `device` (the busiest if None)."""
         return self.peak_snapshot(phase, device).total
 
-    def peak_snapshot(self, phase: Optional[Phase] = None, device: Optional[str] = None) -> Snapshot:
+    def peak_snapshot(self, phase: Phase | None = None, device: str | None = None) -> Snapshot:
         self._list_peaks()
         phases = [phase] if phase is not None else list(Phase)
         snapshots = [s for p in phases for d, s in self.peaks[p].items() if device is None or d == device]
         return max(snapshots, key=lambda s: s.total, default=Snapshot())
 
-    def current(self, device: Optional[str] = None) -> Snapshot:
+    def current(self, device: str | None = None) -> Snapshot:
         """What is live now on `device` (by default the device holding the most)."""
         self.relabel()
         if device is None:
-            device = max(self.live, key=self.live.get, default="cpu")
+            device = max(self.live, key=lambda d: self.live[d], default="cpu")
         return self._snapshot_of(device)
 
     def reset_peak(self) -> None:
@@ -163,10 +161,8 @@ class MemoryTracker(TorchDispatchMode):
         model = self.model
         return units_of(model) if model is not None else []
 
-    def profile(self, device: Optional[str] = None) -> "MemoryProfile":
+    def profile(self, device: str | None = None) -> MemoryProfile:
         """The peaks per phase on `device` (by default the busiest) as plain data, with the latest labels."""
-        from .profile import MemoryProfile
-
         return MemoryProfile.of(self, device)
 
     def table(self, top_modules: int = 12) -> str:
@@ -223,7 +219,7 @@ class MemoryTracker(TorchDispatchMode):
             self._resize(record, 0)
             del self._storages[storage_id]
 
-    def _check_peak(self, device: str, phase: Optional[Phase] = None) -> None:
+    def _check_peak(self, device: str, phase: Phase | None = None) -> None:
         phase = phase or self._phase_now()
         if self._unlisted.get(device, phase) != phase:
             self._list_peak(device)
@@ -307,7 +303,7 @@ class MemoryTracker(TorchDispatchMode):
     # ----------------------------------------------------------------------------------------------------------------
     # Mode
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves((out, args, kwargs)):
             if isinstance(t, torch.Tensor):
@@ -327,7 +323,7 @@ class MemoryTracker(TorchDispatchMode):
                 tracker._count(storage, str(storage.device))
             return result
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         self._hooks.handles += [
             module_hooks.register_module_forward_pre_hook(self._module_pre_forward),
             module_hooks.register_module_forward_hook(self._module_post_forward, always_call=True),

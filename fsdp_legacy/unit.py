@@ -1,0 +1,74 @@
+"""What an FSDP unit is, below the wrapper that builds one: its type, its training state, its naming, and how to find
+the units of a model.
+
+The runtime, state dicts, optimizer state and summon_full_params all work on units. They import this module, never
+fully_sharded_data_parallel.py, which imports them to assemble the public methods; so the import graph stays acyclic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+from .handle import FlatParamHandle
+
+if TYPE_CHECKING:  # runtime.py imports this module; the annotation needs no import at run time
+    from .runtime import Runtime
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
+FLAT_PARAM = "_flat_param"
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD_BACKWARD = auto()
+    SUMMON_FULL_PARAMS = auto()
+
+
+class FSDPUnit(nn.Module):
+    """The type of every FSDP unit; FullyShardedDataParallel is its one subclass. It declares the state the other
+    layers read, set by the wrapper's constructor."""
+
+    # Sharding
+    process_group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    compute_device: torch.device
+    sharding_strategy: ShardingStrategy
+    cpu_offload: CPUOffload
+    mixed_precision: MixedPrecision
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    _use_orig_params: bool
+    _device_mesh: Any
+    _handle: FlatParamHandle | None  # None when the unit manages no parameter
+    # Per step
+    training_state: TrainingState
+    _is_root: bool | None  # None until the first forward decides the root
+    _runtime: Runtime | None  # shared by all units under one root, from the first forward on
+    _sync_gradients: bool  # False inside no_sync()
+    _comm_hook: Callable | None
+    _comm_hook_state: object
+    _buffer_dtypes: dict[str, torch.dtype]  # original dtypes of buffers cast to MixedPrecision.buffer_dtype
+    # State dicts (state_dict.py)
+    _state_dict_type: StateDictType
+    _state_dict_config: Any
+    _optim_state_dict_config: Any
+    _fsdp_wrapped_module: nn.Module  # a registered submodule, found by nn.Module.__getattr__
+
+
+def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FSDPUnit]:
+    """All FSDP units in `module` (itself included) in pre-order, or only the outermost ones."""
+    units = [m for m in module.modules() if isinstance(m, FSDPUnit)]
+    if not root_only:
+        return units
+    nested = {id(inner) for unit in units for inner in unit.modules() if inner is not unit}
+    return [unit for unit in units if id(unit) not in nested]

@@ -1,0 +1,67 @@
+"""Check an installed fsdp_legacy (run from outside the checkout, so the installed copy is the one imported).
+
+    cd /tmp && python3 /path/to/checkout/tools/check_install.py
+
+Two gloo ranks on 127.0.0.1 wrap a small model, train a step, and take the paths that need more than torch itself:
+the optimizer state dict (torch's object collectives, which need numpy) and a DCP save and load.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def _rank(rank: int, world_size: int, port: int, directory: str) -> None:
+    from fsdp_legacy import FullyShardedDataParallel as FSDP
+    from fsdp_legacy import StateDictType
+    from fsdp_legacy.wrap import ModuleWrapPolicy
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = FSDP(
+            nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
+        )
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+            dcp.save(state, checkpoint_id=directory)
+            dcp.load(state, checkpoint_id=directory)
+            model.load_state_dict(state["model"])
+            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    import fsdp_legacy
+
+    location = Path(fsdp_legacy.__file__).resolve()
+    checkout = Path(__file__).resolve().parents[1]
+    if checkout in location.parents:
+        sys.exit(
+            f"fsdp_legacy was imported from the checkout ({location}), not from an installed copy: run from elsewhere"
+        )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as directory:
+        mp.start_processes(_rank, args=(2, port, directory), nprocs=2, start_method="spawn")
+    print(f"installed fsdp_legacy works: {location.parent}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
