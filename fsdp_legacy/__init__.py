@@ -22,6 +22,7 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
+from .compat import install, installed, uninstall
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
@@ -45,4 +46,7 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "install",
+    "installed",
+    "uninstall",
 ]

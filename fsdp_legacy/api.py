@@ -26,7 +26,26 @@ __all__ = [
 ]
 
 
-class ShardingStrategy(Enum):
+class FSDPEnum(Enum):
+    """An enum whose members also equal torch FSDP1's members of the same enum and name, both ways (torch's enums
+    define no equality of their own, so Python asks ours): code written for torch passes torch's members, and torch's
+    code (its DSD helpers, say) compares ours against its own."""
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (
+            isinstance(other, Enum)
+            and other.name == self.name
+            and type(other).__name__ == type(self).__name__
+            and type(other).__module__.startswith("torch.distributed.fsdp")
+        )
+
+    def __hash__(self) -> int:
+        return hash(self._name_)  # what Enum hashes, so ours and torch's members share dict and set slots
+
+
+class ShardingStrategy(FSDPEnum):
     """How parameters, gradients and optimizer state are split across ranks.
 
     FULL_SHARD shards everything and re-gathers parameters for backward; SHARD_GRAD_OP keeps them gathered from
@@ -41,20 +60,20 @@ class ShardingStrategy(Enum):
     _HYBRID_SHARD_ZERO2 = auto()
 
 
-class BackwardPrefetch(Enum):
+class BackwardPrefetch(FSDPEnum):
     """When backward issues the next unit's all-gather: before (PRE) or after (POST) the current unit's gradient."""
 
     BACKWARD_PRE = auto()
     BACKWARD_POST = auto()
 
 
-class StateDictType(Enum):
+class StateDictType(FSDPEnum):
     FULL_STATE_DICT = auto()
     LOCAL_STATE_DICT = auto()
     SHARDED_STATE_DICT = auto()
 
 
-class OptimStateKeyType(Enum):
+class OptimStateKeyType(FSDPEnum):
     PARAM_NAME = auto()
     PARAM_ID = auto()
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .naming import join_fqn
+
 # torch fills alignment padding with this value, which makes stray reads of padding easy to spot.
 PADDING_VALUE = 42.0
 ALIGNMENT_BYTES = 16
@@ -93,7 +95,9 @@ class FlatParameter(nn.Parameter):
     """
 
     _is_flat_param = True  # torch's marker, kept for code that tests for it
+    _fsdp_flattened = True  # torch's `_is_fsdp_flattened(tensor)` reads it (Lightning finds FSDP params by it)
     flat_layout: FlatParamLayout
+    _local_shard: torch.Tensor  # torch's name for the local shard (set by the handle)
 
     @classmethod
     def create(cls, data: torch.Tensor, layout: FlatParamLayout, requires_grad: bool) -> "FlatParameter":
@@ -120,13 +124,13 @@ class FlatParameter(nn.Parameter):
 
 
 def iter_unit_modules(root: nn.Module, is_boundary: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module]]:
-    """Pre-order (name, module) pairs below `root`, duplicates kept, not descending into boundary modules."""
+    """Pre-order (clean name, module) pairs below `root`, duplicates kept, not descending into boundary modules."""
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
         name, module = stack.pop()
         yield name, module
         children = [
-            (f"{name}.{child_name}" if name else child_name, child)
+            (join_fqn(name, child_name), child)
             for child_name, child in module._modules.items()
             if child is not None and not is_boundary(child)
         ]

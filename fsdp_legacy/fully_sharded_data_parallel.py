@@ -8,6 +8,7 @@ FlatParameter and shard it. Runtime behaviour lives in runtime.py, the flat para
 import contextlib
 import functools
 import os
+import sys
 import traceback
 import warnings
 import weakref
@@ -83,6 +84,9 @@ class FullyShardedDataParallel(FSDPUnit):
         self.compute_device = _compute_device(module, device_id, self.process_group, self._ignored_params)
         _materialize_and_move(module, self.compute_device, param_init_fn, self._is_boundary_for(module))
 
+        for sub in module.modules():  # the marks torch.compile (Dynamo) and transformers look for, as torch sets them
+            if sub not in self._ignored_modules:
+                sub.__dict__.update(_is_fsdp_managed_module=True, _fsdp_use_orig_params=use_orig_params)
         if auto_wrap_policy is not None:
             from .wrap import auto_wrap
 
@@ -223,6 +227,8 @@ class FullyShardedDataParallel(FSDPUnit):
             unit._is_root = unit is self
             unit._runtime = runtime
             unit._cast_buffers()
+            if unit._handle is not None:
+                unit._handle.adopt_replaced_flat_param()
         return runtime
 
     def _cast_buffers(self) -> None:
@@ -239,18 +245,39 @@ class FullyShardedDataParallel(FSDPUnit):
                     sub._buffers[name] = buffer.to(dtype)
 
     @property
-    def module(self) -> nn.Module:
-        """The wrapped module (inside an activation-checkpoint wrapper, the module it wraps)."""
-        wrapped = self._fsdp_wrapped_module
-        return getattr(wrapped, "_checkpoint_wrapped_module", wrapped)
-
-    @property
     def params(self) -> list[FlatParameter]:
         return [self._handle.flat_param] if self._handle is not None else []
+
+    # torch FSDP1's private attributes that frameworks read (docs/compatibility.md says which framework reads which).
 
     @property
     def _flat_param(self) -> FlatParameter | None:
         return self._handle.flat_param if self._handle is not None else None
+
+    @property
+    def _has_params(self) -> bool:
+        return self._handle is not None
+
+    @property
+    def _all_handles(self) -> list[FlatParamHandle]:
+        """The handles of every unit in this one's tree (torch sets the same list on the root)."""
+        return [unit._handle for unit in fsdp_modules(self) if unit._handle is not None]
+
+    @property
+    def _fqn_modifiers(self) -> Any:
+        """torch's DSD helpers (torch.distributed.checkpoint.state_dict) probe every module for this name. They know
+        only the FSDP class they imported: unless fsdp_legacy.install() has put ours there, they would take the model
+        for a plain module and write a checkpoint that loads wrongly, so refuse with the fix instead."""
+        helpers = sys.modules.get("torch.distributed.checkpoint.state_dict")
+        known = getattr(helpers, "FSDP", None)
+        if isinstance(known, type) and not isinstance(self, known):
+            raise RuntimeError(
+                "torch.distributed.checkpoint.state_dict's helpers (get_state_dict, set_state_dict, ...) do not "
+                "recognise fsdp_legacy's FullyShardedDataParallel unless fsdp_legacy.install() (or FSDP_LEGACY=1 in "
+                "the environment) puts it under torch's names: call fsdp_legacy.install() first, or use the same "
+                "helpers from fsdp_legacy.checkpoint."
+            )
+        raise AttributeError("_fqn_modifiers")  # as torch's FSDP1 has none
 
     def __getattr__(self, name: str) -> Any:
         try:

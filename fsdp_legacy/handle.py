@@ -17,7 +17,7 @@ Where the sharded gradient lives:
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum, auto
+from enum import auto
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _collectives as comm
+from .api import FSDPEnum
 from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, aligned_numel_for, build_layout, flatten
 
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
@@ -32,7 +33,7 @@ from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, aligned_numel
 FLATTENED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-class HandleTrainingState(Enum):
+class HandleTrainingState(FSDPEnum):
     IDLE = auto()
     FORWARD = auto()
     BACKWARD_PRE = auto()
@@ -77,7 +78,6 @@ class FlatParamHandle:
         self.comm_hook: Callable | None = None  # register_comm_hook: replaces the default reduction
         self.comm_hook_state: object = None
         self.sharded = sharded
-        self.reshard_after_forward = reshard_after_forward
         self.use_orig_params = use_orig_params
         self.training_state = HandleTrainingState.IDLE
         self.unshard_work: comm.Waitable | None = None
@@ -95,20 +95,16 @@ class FlatParamHandle:
         # shard stays the master copy, so only the low-precision unit is ever unsharded.
         self.compute_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
-        self.grad_dtype = self.compute_dtype if keep_low_precision_grads else dtype
-        self.mixed = self.compute_dtype != dtype
+        # What MixedPrecision left to the parameters' dtype, and that dtype (torch's name: frameworks set it): see
+        # adopt_replaced_flat_param.
+        self._param_dtype_given, self._reduce_dtype_given = param_dtype is not None, reduce_dtype is not None
+        self._orig_param_dtype = dtype
+        self.keep_low_precision_grads = keep_low_precision_grads
         # CPUOffload: the shard, its gradient and so the optimizer step live on the CPU; compute on `device`.
         self.compute_device = device
         self.offload = offload_params
-        # Forward/backward use a separate unsharded buffer when sharded, low precision or offloaded (NO_SHARD in full
-        # precision on the compute device computes on the flat parameter itself).
-        self.uses_buffer = sharded or self.mixed or offload_params
-        # NO_SHARD's unsharded buffer is a local cast (or copy) of the flat parameter: it is dropped after every
-        # forward, the root's too, and recast in backward, as torch does, rather than held through backward.
-        self.recast_only = self.uses_buffer and not sharded
-        if self.recast_only:
-            self.reshard_after_forward = True
-        self.is_unsharded = not self.uses_buffer
+        self._strategy_reshards_after_forward = reshard_after_forward
+        self._set_precision(dtype)
         requires_grad = any(p.requires_grad for p in params)
         if not use_orig_params:
             _uniform(params, lambda p: p.requires_grad, "`requires_grad` when `use_orig_params=False`")
@@ -132,16 +128,9 @@ class FlatParamHandle:
             # Pinned memory lets the host-to-device copies of the shard run asynchronously on CUDA.
             pin = device.type == "cuda"
             self.local_shard = self.local_shard.to("cpu").pin_memory() if pin else self.local_shard.to("cpu").clone()
-        if self.mixed or offload_params:
-            self.full_padded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
-            _free(self.full_padded)
-            self._unsharded_buffers = {self.compute_dtype: self.full_padded}  # by dtype: see select_precision
-        elif sharded:
-            self.full_padded = full  # reused as the all-gather buffer
-            _free(self.full_padded)
-        else:
-            self.full_padded = self.local_shard
+        self._allocate_unsharded(reuse=full)
         self.flat_param = FlatParameter.create(self.local_shard, layout, requires_grad)
+        self.flat_param._local_shard = self.local_shard  # torch's name for it
         # use_orig_params=True keeps the original Parameters (as views of the shard); otherwise they are released,
         # and their storage with them, so the unsharded model does not outlive construction.
         self.orig_params: dict[ParamInfo, nn.Parameter] = originals if use_orig_params else {}
@@ -162,6 +151,78 @@ class FlatParamHandle:
                 del shared.module._parameters[shared.param_name]
             self._placeholders = {info: torch.empty(info.shape, device="meta", dtype=dtype) for info in layout.params}
             self.drop_unsharded_views()
+
+    def _set_precision(self, dtype: torch.dtype) -> None:
+        """What follows from the local shard's dtype and the compute dtype."""
+        self.grad_dtype = self.compute_dtype if self.keep_low_precision_grads else dtype
+        self.mixed = self.compute_dtype != dtype
+        # Forward/backward use a separate unsharded buffer when sharded, low precision or offloaded (NO_SHARD in full
+        # precision on the compute device computes on the flat parameter itself).
+        self.uses_buffer = self.sharded or self.mixed or self.offload
+        # NO_SHARD's unsharded buffer is a local cast (or copy) of the flat parameter: it is dropped after every
+        # forward, the root's too, and recast in backward, as torch does, rather than held through backward.
+        self.recast_only = self.uses_buffer and not self.sharded
+        self.reshard_after_forward = self._strategy_reshards_after_forward or self.recast_only
+        self.is_unsharded = not self.uses_buffer
+
+    def _allocate_unsharded(self, reuse: torch.Tensor | None = None) -> None:
+        """The unsharded buffer (storage freed until an unshard), or the local shard itself when none is needed.
+        `reuse`: a full-size tensor of the local shard's dtype on the compute device that may serve as the buffer."""
+        numel, device = self.layout.padded_numel, self.compute_device
+        if self.mixed or self.offload:
+            self.full_padded = torch.empty(numel, dtype=self.compute_dtype, device=device)
+            _free(self.full_padded)
+            self._unsharded_buffers = {self.compute_dtype: self.full_padded}  # by dtype: see select_precision
+        elif self.sharded:
+            if reuse is not None and reuse.dtype == self.local_shard.dtype and reuse.device == device:
+                self.full_padded = reuse
+            else:
+                self.full_padded = torch.empty(numel, dtype=self.local_shard.dtype, device=device)
+            _free(self.full_padded)
+        else:
+            self.full_padded = self.local_shard
+
+    @torch.no_grad()
+    def adopt_replaced_flat_param(self) -> None:
+        """Called at the first forward, as torch's FSDP1 reads the flat parameter again at its lazy init: frameworks
+        replace its data after wrapping (Accelerate upcasts low-precision flat parameters to float32 by assigning
+        `_flat_param.data`, and sets `_handle._orig_param_dtype`). The new data becomes the local shard, and as in
+        torch a dtype other than `_orig_param_dtype` also becomes the compute dtype and the reduce dtype where
+        MixedPrecision did not set them."""
+        data, shard = self.flat_param.data, self.local_shard
+        if self.is_unsharded and self.uses_buffer:
+            return  # only at rest is .data the local shard
+        if data.dtype == shard.dtype and data.is_set_to(shard):
+            return
+        if data.shape != shard.shape:
+            raise ValueError(
+                f"The flat parameter of the FSDP unit holding {', '.join(self.flat_param._fqns)} was given data of "
+                f"shape {tuple(data.shape)}; it must keep its local shard's shape {tuple(shard.shape)} (change its "
+                "dtype or device only)."
+            )
+        if data.dtype != self._orig_param_dtype:
+            if not self._param_dtype_given:
+                self.compute_dtype = data.dtype
+                if not self._reduce_dtype_given:
+                    self.reduce_dtype = data.dtype
+            self._orig_param_dtype = data.dtype
+        if self.offload and data.device.type != "cpu":
+            data = data.to("cpu")
+        elif not self.offload and data.device != self.compute_device:
+            data = data.to(self.compute_device)
+        self.local_shard = data
+        self._set_precision(data.dtype)
+        self._allocate_unsharded()
+        self.flat_param.data = self.flat_param._local_shard = data
+        if self.use_orig_params:
+            self._use_sharded_orig_params()
+        else:
+            self._placeholders = {i: p.to(data.dtype) for i, p in self._placeholders.items()}
+            self.drop_unsharded_views()
+
+    @property
+    def _offload_params(self) -> bool:  # torch's name
+        return self.offload
 
     # ----------------------------------------------------------------------------------------------------------------
     # Unshard / reshard

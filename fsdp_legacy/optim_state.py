@@ -32,7 +32,7 @@ from .api import (
 from .flat_param import FlatParameter, ParamInfo
 from .handle import FlatParamHandle
 from .state_dict import _chunk_dtensor, _chunk_sharded_tensor, _clean, _copy, get_state_dict_type
-from .state_dict_loading import _full_tensor
+from .state_dict_loading import _full_tensor, materialize
 from .unit import FSDPUnit
 
 _OPTIM_INPUT_WARNING = (
@@ -345,7 +345,10 @@ def _to_load(
         assert value_group is not None
         # Every rank reassembles every value (ShardedTensors need all ranks), then keeps what it holds.
         fulls = [
-            {n: _full_tensor(v, value_group) if not _is_scalar(v) else v for n, v in saved.get(fqn, {}).items()}
+            {
+                n: _full_tensor(v, value_group) if not _is_scalar(v) else v
+                for n, v in ((n, materialize(v)) for n, v in saved.get(fqn, {}).items())
+            }
             for fqn in entry.fqns
         ]
         if handle is not None:  # a parameter outside every unit has no layout to check against

@@ -47,7 +47,8 @@ from .api import (
 from .convert.record import RECORD_SUFFIX, FlatParamRecord
 from .flat_param import ParamInfo
 from .handle import FlatParamHandle
-from .unit import FLAT_PARAM, FSDP_PREFIX, FSDPUnit, fsdp_modules
+from .naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
+from .unit import FLAT_PARAM, FSDPUnit, clean_fqn, fsdp_modules
 
 _CONFIG_TYPES = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -212,33 +213,34 @@ def _post_state_dict_hook(unit: FSDPUnit, destination: dict, prefix: str, local_
 
 
 def _relative(key: str, prefix: str) -> str:
-    return key[len(prefix) :].removeprefix(FSDP_PREFIX)
+    return clean_fqn(key[len(prefix) :])
 
 
 def _clean(key: str) -> str:
-    return key.replace(FSDP_PREFIX, "")
+    return clean_fqn(key)
 
 
 def _walk(unit: FSDPUnit) -> Iterator[tuple[str, nn.Module, bool]]:
-    """(path, module, is a nested unit) below the unit's wrapped module, in nn.Module.state_dict order."""
+    """(clean path, module, is a nested unit) below the unit's wrapped module, in nn.Module.state_dict order.
+    Activation-checkpoint wrappers are looked through: the module they wrap stands at their path."""
     root = unit._fsdp_wrapped_module
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
         path, module = stack.pop()
+        inner = module._modules.get(CHECKPOINT_WRAPPED_MODULE)
+        if inner is not None:
+            stack.append((path, inner))
+            continue
         nested = module is not root and isinstance(module, FSDPUnit)
         yield path, module, nested
         if not nested:
-            children = [(_join(path, name), child) for name, child in module._modules.items() if child is not None]
+            children = [(join_fqn(path, name), child) for name, child in module._modules.items() if child is not None]
             stack.extend(reversed(children))
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
 
 
 def _own_buffer_keys(unit: FSDPUnit) -> set[str]:
     return {
-        _join(path, name)
+        join_fqn(path, name)
         for path, module, nested in _walk(unit)
         if not nested
         for name, buffer in module._buffers.items()
@@ -252,7 +254,7 @@ def _managed_keys(handle: FlatParamHandle) -> Iterator[tuple[str, nn.Module, str
     for info in handle.layout.params:
         yield info.fqn, info.module, info.param_name, info
     for shared in handle.layout.shared:
-        yield _join(shared.module_name, shared.param_name), shared.module, shared.param_name, shared.primary
+        yield join_fqn(shared.module_name, shared.param_name), shared.module, shared.param_name, shared.primary
 
 
 @contextlib.contextmanager
@@ -325,6 +327,13 @@ def _in_module_order(unit: FSDPUnit, entries: dict[str, Any], values: dict[str, 
             ordered[key] = values[key] if key in values else entries[key]
     for keys in grouped.values():  # entries of custom _save_to_state_dict overrides, if any
         ordered.update((key, entries[key]) for key in keys)
+    unplaced = sorted(values.keys() - ordered.keys())
+    if unplaced:  # never hand out an incomplete checkpoint (every rank reaches this verdict)
+        raise RuntimeError(
+            f"FSDP state_dict(): the unit wrapping {type(unit.module).__name__} could not place {unplaced} among its "
+            "module's entries, so the state dict would be incomplete. This is a bug in fsdp_legacy: please report it "
+            "with print(model). A LOCAL_STATE_DICT saves this unit in the meantime."
+        )
     return {key: value for key, value in ordered.items() if value is not None}
 
 

@@ -78,11 +78,11 @@ def _pre_load_state_dict_hook(
         handle.reshard()  # an unsharded copy left from forward would go stale; backward re-gathers if it needs it
     # Take the unit's parameter entries out: they are loaded (and reported missing) here, not by nn.Module.
     flat_key = wrapped + FLAT_PARAM
-    flat_value = state_dict.pop(flat_key, None)
+    flat_value = materialize(state_dict.pop(flat_key, None))
     local = kind == StateDictType.LOCAL_STATE_DICT
     record = state_dict.pop(flat_key + RECORD_SUFFIX, None) if local else None  # absent in torch's LOCAL dicts
     refs = [(wrapped + relative, module, name, info) for relative, module, name, info in _managed_keys(handle)]
-    values = {key: state_dict.pop(key) for key, *_ in refs if key in state_dict}
+    values = {key: materialize(state_dict.pop(key)) for key, *_ in refs if key in state_dict}
     registered = {key: module._parameters.get(name) for key, module, name, _ in refs}
     # A LOCAL_STATE_DICT names parameters only as use_orig_params' 1-D local views (beside _flat_param).
     by_name = [key for key, value in values.items() if not _same_shape(value, registered[key])]
@@ -104,6 +104,16 @@ def _pre_load_state_dict_hook(
             state_dict[key] = values[key] if local and key in values else param.detach()
     if not unit._use_orig_params:
         state_dict[flat_key] = handle.flat_param.detach()
+
+
+def materialize(value: Any) -> Any:
+    """A real tensor for a tensor-like that loads on first use (Lightning's lazy checkpoint loader gives those: no
+    tensor methods, but torch functions work on it through __torch_function__), as torch's FSDP1 accepts them;
+    anything else as it is. A reshape to its own shape returns the loaded tensor itself, without a copy."""
+    if isinstance(value, torch.Tensor) or not hasattr(type(value), "__torch_function__"):
+        return value
+    shape = getattr(value, "shape", None)
+    return torch.reshape(value, tuple(shape)) if shape is not None else value
 
 
 def _same_shape(value: Any, registered: torch.Tensor | None) -> bool:

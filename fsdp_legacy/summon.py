@@ -15,7 +15,7 @@ from torch import nn
 
 from . import _collectives as comm
 from .handle import FlatParamHandle, HandleTrainingState
-from .unit import FSDPUnit, TrainingState
+from .unit import FLAT_PARAM, FSDPUnit, TrainingState
 
 
 @contextlib.contextmanager
@@ -58,6 +58,9 @@ def _summon_unit(
             yield
             return
         handle.training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+        # use_orig_params=True: take in what the user did to the gradients since backward (zero_grad), or the exit,
+        # which points the parameters' .grad at the sharded gradient again, would bring the old one back.
+        handle.sync_grad_from_orig_params()
         # Gathered in full precision into a buffer of its own (not the forward's, which may be low precision); under
         # NO_SHARD the local flat parameter is already whole, so edits to it persist, as torch documents.
         full = _gather(handle, handle.local_shard)
@@ -114,8 +117,7 @@ def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_gr
             if full_grad is not None and param.requires_grad:
                 param.grad = full_grad[info.offset : info.offset + info.numel].view(info.shape)
         return
-    wrapped = unit._fsdp_wrapped_module
-    wrapped._parameters.pop("_flat_param", None)
+    unit.module._parameters.pop(FLAT_PARAM, None)
     requires_grad = handle.flat_param.requires_grad
     params = {}
     for info, view in views.items():
@@ -136,5 +138,5 @@ def _hide(unit: FSDPUnit, handle: FlatParamHandle) -> None:
         return
     for module, name, _ in handle._attributes():
         module._parameters.pop(name, None)
-    unit._fsdp_wrapped_module.register_parameter("_flat_param", handle.flat_param)
+    unit.module.register_parameter(FLAT_PARAM, handle.flat_param)
     handle.drop_unsharded_views()

@@ -8,25 +8,24 @@ fully_sharded_data_parallel.py, which imports them to assemble the public method
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum, auto
+from enum import auto
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+from .api import BackwardPrefetch, CPUOffload, FSDPEnum, MixedPrecision, ShardingStrategy, StateDictType
 from .handle import FlatParamHandle
+from .naming import CHECKPOINT_WRAPPED_MODULE, FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn
 
 if TYPE_CHECKING:  # runtime.py imports this module; the annotation needs no import at run time
     from .runtime import Runtime
 
-FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
-FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
-FLAT_PARAM = "_flat_param"
+__all__ = ["FLAT_PARAM", "FSDP_PREFIX", "FSDP_WRAPPED_MODULE", "FSDPUnit", "TrainingState", "clean_fqn", "fsdp_modules"]
 
 
-class TrainingState(Enum):
+class TrainingState(FSDPEnum):
     IDLE = auto()
     FORWARD_BACKWARD = auto()
     SUMMON_FULL_PARAMS = auto()
@@ -63,6 +62,15 @@ class FSDPUnit(nn.Module):
     _state_dict_config: Any
     _optim_state_dict_config: Any
     _fsdp_wrapped_module: nn.Module  # a registered submodule, found by nn.Module.__getattr__
+
+    @property
+    def module(self) -> nn.Module:
+        """The module this unit was built around, which holds the flat parameter: the wrapped module, or the module
+        inside the activation-checkpoint wrapper put around it after wrapping (apply_activation_checkpointing)."""
+        wrapped = self._fsdp_wrapped_module
+        while CHECKPOINT_WRAPPED_MODULE in wrapped._modules:
+            wrapped = wrapped._modules[CHECKPOINT_WRAPPED_MODULE]  # type: ignore[assignment]
+        return wrapped
 
 
 def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FSDPUnit]:

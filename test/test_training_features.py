@@ -18,8 +18,10 @@ from fsdp_utils import (
     Config,
     assert_close,
     assert_same_params,
+    batch,
     build_ours,
     build_torch_fsdp,
+    clean,
     full_params,
     loss_of,
     optimizer,
@@ -366,3 +368,29 @@ def _batchnorm_under_mixed_precision() -> None:
 
 def test_batchnorm_runs_in_full_precision_under_mixed_precision_like_torch() -> None:
     run_on_ranks(_batchnorm_under_mixed_precision, 2)
+
+
+def _grads_after_summon(use_orig_params: bool) -> None:
+    """summon_full_params after zero_grad() must not bring the old gradients back (it did with use_orig_params=True:
+    the next backward accumulated onto them)."""
+    config = Config("transformer", use_orig_params=use_orig_params)
+    grads = []
+    for model in (build_ours(config)[1], build_torch_fsdp(config)):
+        opt = optimizer(model)
+        for step in range(2):
+            loss_of(model(batch(config, step))).backward()
+            opt.step()
+            opt.zero_grad()
+        with type(model).summon_full_params(model):
+            pass
+        assert all(p.grad is None for p in model.parameters())
+        loss_of(model(batch(config, 5))).backward()
+        grads.append({clean(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        assert_close(grad, grads[1][name], f"gradient of {name} after summon_full_params")
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_summon_after_zero_grad_keeps_gradients_cleared(use_orig_params: bool) -> None:
+    run_on_ranks(_grads_after_summon, 2, use_orig_params)

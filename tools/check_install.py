@@ -1,13 +1,16 @@
 """Check an installed fsdp_legacy (run from outside the checkout, so the installed copy is the one imported).
 
     cd /tmp && python3 /path/to/checkout/tools/check_install.py
+    cd /tmp && FSDP_LEGACY=1 python3 /path/to/checkout/tools/check_install.py --switched
 
 Two gloo ranks on 127.0.0.1 wrap a small model, train a step, and take the paths that need more than torch itself:
-the optimizer state dict (torch's object collectives, which need numpy) and a DCP save and load.
+the optimizer state dict (torch's object collectives, which need numpy) and a DCP save and load. `--switched`: the
+same through torch's own names, which the installed .pth hook must have made fsdp_legacy's (FSDP_LEGACY=1).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -21,11 +24,14 @@ import torch.multiprocessing as mp
 from torch import nn
 
 
-def _rank(rank: int, world_size: int, port: int, directory: str) -> None:
-    from fsdp_legacy import FullyShardedDataParallel as FSDP
-    from fsdp_legacy import StateDictType
-    from fsdp_legacy.wrap import ModuleWrapPolicy
+def _rank(rank: int, world_size: int, port: int, directory: str, switched: bool) -> None:
+    import fsdp_legacy
 
+    names = importlib.import_module("torch.distributed.fsdp" if switched else "fsdp_legacy")
+    FSDP, StateDictType = names.FullyShardedDataParallel, names.StateDictType
+    ModuleWrapPolicy = importlib.import_module(f"{names.__name__}.wrap").ModuleWrapPolicy
+    if FSDP is not fsdp_legacy.FullyShardedDataParallel:
+        raise SystemExit("FSDP_LEGACY=1 did not put fsdp_legacy under torch's names: is the .pth hook installed?")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
@@ -48,6 +54,7 @@ def _rank(rank: int, world_size: int, port: int, directory: str) -> None:
 def main() -> None:
     import fsdp_legacy
 
+    switched = "--switched" in sys.argv[1:]
     location = Path(fsdp_legacy.__file__).resolve()
     checkout = Path(__file__).resolve().parents[1]
     if checkout in location.parents:
@@ -58,8 +65,9 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as directory:
-        mp.start_processes(_rank, args=(2, port, directory), nprocs=2, start_method="spawn")
-    print(f"installed fsdp_legacy works: {location.parent}")
+        mp.start_processes(_rank, args=(2, port, directory, switched), nprocs=2, start_method="spawn")
+    through = "under torch's names (FSDP_LEGACY=1)" if switched else "by its own names"
+    print(f"installed fsdp_legacy works {through}: {location.parent}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from ..unit import FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit
+from ..unit import FSDPUnit, clean_fqn
 
 
 class Category(Enum):
@@ -42,7 +42,7 @@ def module_names(model: nn.Module) -> dict[nn.Module, str]:
 
 
 def clean(name: str) -> str:
-    return name.replace(FSDP_PREFIX, "").replace(FSDP_WRAPPED_MODULE, "").rstrip(".")
+    return clean_fqn(name)
 
 
 def units_of(model: nn.Module) -> list[str]:

@@ -1,0 +1,53 @@
+"""Run at interpreter start by fsdp_legacy_autoinstall.pth (installed with the package) when FSDP_LEGACY is set to 1:
+puts fsdp_legacy under torch's FSDP1 names (fsdp_legacy.install()) as soon as torch.distributed.fsdp is imported.
+Not before: a process that never imports it (pip, say) never imports torch or fsdp_legacy on its account.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib.abc import MetaPathFinder
+from importlib.machinery import ModuleSpec, PathFinder
+from types import ModuleType
+from typing import Any
+
+TARGET = "torch.distributed.fsdp"
+
+
+def enabled() -> bool:
+    return os.environ.get("FSDP_LEGACY", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class InstallAfterImport(MetaPathFinder):
+    """Finds torch.distributed.fsdp as the path finder would, and runs fsdp_legacy.install() once it has executed."""
+
+    def find_spec(self, name: str, path: Any = None, target: ModuleType | None = None) -> ModuleSpec | None:
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)  # once is enough
+        spec = PathFinder.find_spec(name, path, target)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def execute_then_install(module: ModuleType) -> None:
+            execute(module)
+            import fsdp_legacy
+
+            fsdp_legacy.install()
+
+        loader.exec_module = execute_then_install  # type: ignore[method-assign]  # this spec's own loader
+        return spec
+
+
+def hook() -> None:
+    if not enabled() or any(isinstance(f, InstallAfterImport) for f in sys.meta_path):
+        return
+    if TARGET in sys.modules:  # already imported (by a sitecustomize, say): install now
+        import fsdp_legacy
+
+        fsdp_legacy.install()
+    else:
+        sys.meta_path.insert(0, InstallAfterImport())

@@ -1,0 +1,194 @@
+"""The switch that puts fsdp_legacy under torch's FSDP1 names, for code that never names fsdp_legacy (Accelerate,
+Lightning, transformers' Trainer, TRL, verl, and torch's own DSD helpers):
+
+    import fsdp_legacy
+    fsdp_legacy.install()        # or FSDP_LEGACY=1 in the environment, no code change (see autoinstall.py)
+    from torch.distributed.fsdp import FullyShardedDataParallel   # fsdp_legacy's
+
+`install()` replaces, in torch's FSDP1 modules (`torch.distributed.fsdp` and its submodules), the FSDP1 names by
+fsdp_legacy's: the wrapper, enums, configs, wrap policies, `enable_wrap`/`wrap`, `ShardedGradScaler`,
+`FlatParameter`, and the few private functions frameworks call. Modules that imported those names before (torch's
+DSD helpers hold `FSDP` as a module global; a framework may have imported it at start) get ours too: every loaded
+module's globals that are torch's objects are swapped. Where torch no longer has an FSDP1 module, a stand-in module
+with our names takes its place. `uninstall()` restores every name exactly; both are idempotent.
+
+This module is the one place in the package that imports torch's FSDP1 modules, and only to replace names in them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from . import api, wrap
+from .flat_param import FlatParameter
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .handle import HandleTrainingState
+from .sharded_grad_scaler import ShardedGradScaler
+from .unit import FSDPUnit, TrainingState
+
+_FSDP1 = "torch.distributed.fsdp"
+_WRAP_NAMES = (*wrap.__all__, "_or_policy", "_module_wrap_policy", "_Policy", "_wrap")
+_MISSING = object()
+
+
+@dataclass
+class _Installed:
+    """What install() changed, to undo it: (namespace, name, previous value or _MISSING)."""
+
+    replaced: list[tuple[Any, str, Any]] = field(default_factory=list)
+    stand_ins: list[str] = field(default_factory=list)  # modules install() created where torch has none
+    originals: dict[str, Any] = field(default_factory=dict)  # torch's functions our wrappers fall back to
+
+
+_state: _Installed | None = None
+
+
+def installed() -> bool:
+    """Whether torch's FSDP1 names resolve to fsdp_legacy's now."""
+    return _state is not None
+
+
+def install() -> None:
+    """Make torch's FSDP1 names resolve to fsdp_legacy's everywhere (see the module docstring). Idempotent."""
+    global _state
+    if _state is not None:
+        return
+    state = _Installed()
+    swaps: dict[int, Any] = {}  # id(torch's object) -> ours, for the sweep of other modules' globals
+    targets = _targets(state)
+    for module_name, names in targets.items():
+        module = _import_or_stand_in(module_name, state)
+        for name, ours in names.items():
+            previous = getattr(module, name, _MISSING)
+            if previous is ours:
+                continue
+            if previous is not _MISSING and callable(previous):
+                swaps[id(previous)] = ours
+            state.replaced.append((module, name, previous))
+            setattr(module, name, ours)
+    _state = state  # before the sweep: code it triggers may ask installed()
+    _sweep(swaps, state, skip=set(targets))
+
+
+def uninstall() -> None:
+    """Put torch's own FSDP1 names back. Idempotent."""
+    global _state
+    if _state is None:
+        return
+    for namespace, name, previous in reversed(_state.replaced):
+        if previous is _MISSING:
+            _delattr(namespace, name)
+        else:
+            setattr(namespace, name, previous)
+    for module_name in reversed(_state.stand_ins):
+        sys.modules.pop(module_name, None)
+        parent, _, child = module_name.rpartition(".")
+        if parent in sys.modules:
+            _delattr(sys.modules[parent], child)
+    _state = None
+
+
+def _targets(state: _Installed) -> dict[str, dict[str, Any]]:
+    """torch module -> the names install() sets in it. For a module torch still has, only names it defines are
+    replaced (a private name torch dropped is not re-added); a stand-in gets them all."""
+    configs = {name: getattr(api, name) for name in api.__all__}
+    wrapper = {"FullyShardedDataParallel": FullyShardedDataParallel}
+    return {
+        _FSDP1: {**wrapper, **configs},
+        f"{_FSDP1}.api": configs,
+        f"{_FSDP1}.fully_sharded_data_parallel": {**wrapper, **configs, "TrainingState": TrainingState},
+        f"{_FSDP1}.wrap": {name: getattr(wrap, name) for name in _WRAP_NAMES},
+        f"{_FSDP1}.sharded_grad_scaler": {"ShardedGradScaler": ShardedGradScaler},
+        f"{_FSDP1}._flat_param": {"FlatParameter": FlatParameter, "HandleTrainingState": HandleTrainingState},
+        f"{_FSDP1}._common_utils": {
+            "TrainingState": TrainingState,
+            "HandleTrainingState": HandleTrainingState,
+            "_get_module_fsdp_state": _falls_back(state, f"{_FSDP1}._common_utils", "_get_module_fsdp_state", _unit),
+            "_get_module_fsdp_state_if_fully_sharded_module": _falls_back(
+                state, f"{_FSDP1}._common_utils", "_get_module_fsdp_state_if_fully_sharded_module", _unit
+            ),
+        },
+        f"{_FSDP1}._runtime_utils": {
+            "_lazy_init": _falls_back(state, f"{_FSDP1}._runtime_utils", "_lazy_init", _lazy_init),
+        },
+    }
+
+
+def _unit(module: nn.Module) -> FSDPUnit | None:
+    """torch's `_get_module_fsdp_state*` for our units: the unit is its own state, as in torch's FSDP1."""
+    return module if isinstance(module, FSDPUnit) else None
+
+
+def _lazy_init(state: Any, root_module: nn.Module) -> Any:
+    """torch's `_runtime_utils._lazy_init(state, root_module)`, which frameworks call to set up the root before the
+    first forward (verl)."""
+    if isinstance(state, FullyShardedDataParallel):
+        state._lazy_init()
+        return state
+    return None
+
+
+def _falls_back(state: _Installed, module_name: str, name: str, ours: Callable[..., Any]) -> Callable[..., Any]:
+    """`ours` for fsdp_legacy's modules; torch's original (kept in `state`) for anything else (FSDP2 modules)."""
+    key = f"{module_name}.{name}"
+    try:
+        state.originals[key] = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        pass
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        result = ours(*args, **kwargs)
+        original = state.originals.get(key)
+        return result if result is not None or original is None else original(*args, **kwargs)
+
+    dispatch.__name__ = dispatch.__qualname__ = name
+    dispatch.__doc__ = ours.__doc__
+    return dispatch
+
+
+def _import_or_stand_in(module_name: str, state: _Installed) -> types.ModuleType:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError:
+        pass
+    module = types.ModuleType(module_name, f"fsdp_legacy's stand-in for {module_name}, which this torch lacks")
+    sys.modules[module_name] = module
+    state.stand_ins.append(module_name)
+    parent, _, child = module_name.rpartition(".")
+    setattr(_import_or_stand_in(parent, state), child, module)
+    return module
+
+
+def _sweep(swaps: dict[int, Any], state: _Installed, skip: set[str]) -> None:
+    """Swap torch's FSDP1 objects for ours in the globals of every module loaded now, except fsdp_legacy's, the
+    targets (done), and torch's FSDP1 internals (which only torch's own FSDP1 uses)."""
+    for module_name, module in list(sys.modules.items()):
+        if (
+            module is None
+            or module_name in skip
+            or module_name.split(".")[0] == __name__.split(".")[0]
+            or (module_name.startswith(f"{_FSDP1}.") and module_name.rpartition(".")[2].startswith("_"))
+        ):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            ours = swaps.get(id(value))
+            if ours is not None:
+                state.replaced.append((module, name, value))
+                namespace[name] = ours
+
+
+def _delattr(namespace: Any, name: str) -> None:
+    try:
+        delattr(namespace, name)
+    except AttributeError:
+        pass

@@ -1,0 +1,157 @@
+"""What the framework runs share: the model, the data, the launch contract with test_frameworks.py, results, and the
+workarounds every run needs on a CPU-only machine (facts of the frameworks and of torch's FSDP1, not of ours).
+
+A run is `torchrun --nproc-per-node=2 run_<framework>.py --impl ours|torch --out DIR`: `ours` is launched with
+FSDP_LEGACY=1 in the environment (the supported switch, nothing else), `torch` without it. Each run trains every
+configuration of its framework in turn and writes DIR/results.json (rank 0) and each configuration's checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+WIDTH, OUT = 16, 4  # the head is 4 wide: DCP cannot reload (with Accelerate) a parameter whose dim 0 < world size
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.fc(x)) + x)
+
+
+class Net(nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Different data on every rank and step."""
+    generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(8, 8, generator=generator).to(dtype), torch.randn(8, OUT, generator=generator)
+
+
+def loss_of(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output.float() - target) ** 2).mean()
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["ours", "torch"], required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", nargs="*", help="run these configurations only")
+    args = parser.parse_args()
+    if args.impl == "ours" and os.environ.get("FSDP_LEGACY") != "1":
+        raise SystemExit("--impl ours runs with FSDP_LEGACY=1 in the environment (the switch under test)")
+    if args.impl == "torch":
+        patch_torch_fsdp1_for_cpu()
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def fsdp_class() -> type:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def check_impl(impl: str, model: nn.Module) -> str:
+    """The framework really wrapped the model with the implementation under test; returns its module."""
+    expected = "fsdp_legacy" if impl == "ours" else "torch.distributed.fsdp"
+    modules = [cls.__module__ for cls in type(model).__mro__]
+    assert any(m.startswith(expected) for m in modules), f"--impl {impl}, but the framework built a {type(model)}"
+    return next(m for m in modules if m.startswith(expected))
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full parameters by clean name (summon_full_params, no writeback)."""
+    fsdp = fsdp_class()
+    with fsdp.summon_full_params(model, writeback=False):
+        return {
+            name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): p.detach()
+            .float()
+            .clone()
+            for name, p in model.named_parameters()
+        }
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def checksum(params: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {name: float(p.double().sum()) for name, p in params.items()}
+
+
+@contextlib.contextmanager
+def results_file(out: Path) -> Iterator[dict[str, Any]]:
+    results: dict[str, Any] = {}
+    try:
+        yield results
+    finally:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def patch_torch_fsdp1_for_cpu() -> None:
+    """torch's FSDP1 bugs on a CPU compute device (the oracle's, not ours; ../shared/FSDP1_FACTS.md), both triggered
+    by the offload_to_cpu that Accelerate and Lightning always ask for in FULL state dicts:
+    1. the model state dict frees the storage the unsharded parameter still uses (FlatParamHandle.to_cpu moves
+       nothing, then frees): `setStorage ... out of bounds`, or a segfault with use_orig_params=True. Skip the
+       move-and-free on CPU, which is what it would amount to.
+    2. the optimizer state dict with use_orig_params=True returns every state of a unit as a view of one reused
+       buffer (exp_avg == exp_avg_sq). Run it with offload_to_cpu=False, which on CPU only adds the missing clone."""
+    import dataclasses
+
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullyShardedDataParallel
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    original_optim_state_dict = FullyShardedDataParallel.optim_state_dict
+
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None):  # type: ignore[no-untyped-def]
+        units = FullyShardedDataParallel.fsdp_modules(model)
+        configs = [unit._optim_state_dict_config for unit in units]
+        for unit, config in zip(units, configs, strict=True):
+            if isinstance(config, FullOptimStateDictConfig) and config.offload_to_cpu:
+                unit._optim_state_dict_config = dataclasses.replace(config, offload_to_cpu=False)
+        try:
+            return original_optim_state_dict(model, optim, optim_state_dict, group)
+        finally:
+            for unit, config in zip(units, configs, strict=True):
+                unit._optim_state_dict_config = config
+
+    FullyShardedDataParallel.optim_state_dict = staticmethod(optim_state_dict)
+
+    original = FlatParamHandle.to_cpu
+
+    @contextlib.contextmanager
+    def to_cpu(self):  # type: ignore[no-untyped-def]
+        if self.device.type == "cpu":
+            yield
+        else:
+            with original(self):
+                yield
+
+    FlatParamHandle.to_cpu = to_cpu

@@ -1,0 +1,171 @@
+"""Unmodified frameworks on fsdp_legacy through the supported switch (FSDP_LEGACY=1), against the same runs on torch's
+own FSDP1: Accelerate's FSDP plugin and Lightning's FSDPStrategy (Fabric and Trainer), each configuration trained on
+2 CPU ranks, clipped, saved, loaded or resumed, and trained on (test/frameworks/run_*.py). Equal: losses, gradient
+norms, parameter dtypes, what was restored, the training after resuming, and every tensor of every checkpoint file.
+
+Needs the `frameworks` extra (pip install -e '.[frameworks]'); CI runs these with `pytest -m frameworks`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.frameworks
+HERE = Path(__file__).resolve().parent / "frameworks"
+SKIPPED_FILES = ("random_states", "scheduler", "scaler")  # pickled RNG states and the like: not tensors of ours
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(script: str, impl: str, out: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "FSDP_LEGACY"} | {"OMP_NUM_THREADS": "1"}
+    if impl == "ours":
+        env["FSDP_LEGACY"] = "1"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        str(HERE / script),
+        "--impl",
+        impl,
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{script} --impl {impl} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Any:
+    with tempfile.TemporaryDirectory() as directory:
+        yield Path(directory)
+
+
+def _runs(script: str, workdir: Path) -> tuple[dict, dict, Path, Path]:
+    ours, theirs = workdir / f"{script}-ours", workdir / f"{script}-torch"
+    return _launch(script, "ours", ours), _launch(script, "torch", theirs), ours, theirs
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(workdir: Path) -> tuple[dict, dict, Path, Path]:
+    pytest.importorskip("accelerate")
+    return _runs("run_accelerate.py", workdir)
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(workdir: Path) -> tuple[dict, dict, Path, Path]:
+    pytest.importorskip("lightning")
+    return _runs("run_lightning.py", workdir)
+
+
+def _same_figures(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for name, mine in ours.items():
+        torch_run = theirs[name]
+        assert mine["fsdp"].startswith("fsdp_legacy") and torch_run["fsdp"].startswith("torch.distributed.fsdp")
+        for figure, value in mine.items():
+            if figure in ("fsdp", "params_after_resume"):
+                continue
+            if isinstance(value, list) and value and isinstance(value[0], float):
+                torch.testing.assert_close(value, torch_run[figure], rtol=1e-5, atol=1e-6, msg=f"{name}: {figure}")
+            else:
+                assert value == torch_run[figure], f"{name}: {figure}: {value} != {torch_run[figure]}"
+        for param, total in mine["params_after_resume"].items():
+            expected = torch_run["params_after_resume"][param]
+            assert abs(total - expected) <= 1e-5 * max(1.0, abs(expected)), f"{name}: {param} after resuming"
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (a torch.save file or a DCP directory), by its path in the nested dict."""
+    if path.is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            dcp_to_torch_save(path, Path(scratch) / "whole.pt")
+            return _tensors(Path(scratch) / "whole.pt")
+    found: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(f"{prefix}/{index}", item)
+
+    walk("", torch.load(path, weights_only=True, map_location="cpu"))
+    return found
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """The checkpoint files and DCP directories a run wrote, relative to its directory."""
+    found = []
+    for path in sorted(root.rglob("*")):
+        if path.is_dir() and (path / ".metadata").exists():
+            found.append(path.relative_to(root))
+        elif (
+            path.is_file()
+            and path.suffix in (".bin", ".pt", ".ckpt", ".pth")
+            and not path.parent.joinpath(".metadata").exists()
+        ):
+            if not path.name.startswith(SKIPPED_FILES):
+                found.append(path.relative_to(root))
+    return found
+
+
+def _same_checkpoints(ours: Path, theirs: Path) -> int:
+    files = _checkpoints(ours)
+    assert files == _checkpoints(theirs)
+    compared = 0
+    for relative in files:
+        mine, torch_s = _tensors(ours / relative), _tensors(theirs / relative)
+        assert mine.keys() == torch_s.keys(), relative
+        for key, value in mine.items():
+            expected = torch_s[key]
+            assert value.dtype == expected.dtype and value.shape == expected.shape, f"{relative}{key}"
+            low = value.dtype in (torch.bfloat16, torch.float16)
+            torch.testing.assert_close(value, expected, rtol=1e-2 if low else 1e-5, atol=1e-5, msg=f"{relative}{key}")
+            compared += 1
+    return compared
+
+
+def test_accelerate_trains_saves_and_resumes_as_on_torch_fsdp1(accelerate_runs: tuple) -> None:
+    ours, theirs, _, _ = accelerate_runs
+    _same_figures(ours, theirs)
+    assert all(r["restored_max_difference"] == 0.0 for r in ours.values())
+
+
+def test_accelerate_checkpoints_hold_torch_fsdp1s_tensors(accelerate_runs: tuple) -> None:
+    _, _, ours, theirs = accelerate_runs
+    assert _same_checkpoints(ours, theirs) > 100
+
+
+def test_lightning_fabric_and_trainer_train_save_and_resume_as_on_torch_fsdp1(lightning_runs: tuple) -> None:
+    ours, theirs, _, _ = lightning_runs
+    _same_figures(ours, theirs)
+    assert {r["config"]["api"] for r in ours.values()} == {"fabric", "trainer"}
+
+
+def test_lightning_checkpoints_hold_torch_fsdp1s_tensors(lightning_runs: tuple) -> None:
+    _, _, ours, theirs = lightning_runs
+    assert _same_checkpoints(ours, theirs) > 100
