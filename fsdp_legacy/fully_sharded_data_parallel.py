@@ -65,6 +65,11 @@ class FullyShardedDataParallel(FSDPUnit):
         device_mesh: Any = None,
     ):
         super().__init__()
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            warnings.warn(
+                f"FSDP will not all-gather parameters for containers that do not implement forward: {module}",
+                stacklevel=2,
+            )
         sharding_strategy = _coerce(ShardingStrategy, sharding_strategy) or ShardingStrategy.FULL_SHARD
         backward_prefetch = _coerce(BackwardPrefetch, backward_prefetch)
 
@@ -228,6 +233,8 @@ class FullyShardedDataParallel(FSDPUnit):
             unit._runtime = runtime
             unit._cast_buffers()
             if unit._handle is not None:
+                if hasattr(unit._handle.flat_param, "_in_backward_optimizers"):
+                    raise RuntimeError("FSDP optimizer in backward only supported with use_orig_params=True!")
                 unit._handle.adopt_replaced_flat_param()
         return runtime
 
@@ -393,6 +400,7 @@ class FullyShardedDataParallel(FSDPUnit):
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """nn.Module.apply with this unit's full parameters in place (each nested unit gathers its own), edits kept."""
+        self._assert_state(TrainingState.IDLE)
         with FullyShardedDataParallel.summon_full_params(self, recurse=False, writeback=True):
             return super().apply(fn)
 
@@ -436,14 +444,25 @@ def _resolve_ignored(
             "Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states."
         )
     states = list(ignored_modules if ignored_modules is not None else ignored_states or [])
+    kinds = sorted({type(state) for state in states}, key=repr)  # torch's messages list the types so
+    if ignored_modules is not None and not all(isinstance(state, nn.Module) for state in states):
+        raise ValueError(f"ignored_modules expects nn.Module list elements but got types {kinds}")
+    if not (all(isinstance(s, nn.Parameter) for s in states) or all(isinstance(s, nn.Module) for s in states)):
+        raise ValueError(
+            f"ignored_states expects all nn.Parameter or all nn.Module list elements but got types {kinds}"
+        )
     modules = {m for m in states if isinstance(m, nn.Module)}
     params = {p for p in states if isinstance(p, nn.Parameter)}
-    if len(modules) + len(params) != len(states):
-        raise ValueError("ignored_states must contain only nn.Module and nn.Parameter objects")
     for m in modules:
         if isinstance(m, FullyShardedDataParallel):
             raise ValueError("`ignored_modules` should not include FSDP modules")
     ignored_modules_all = {sub for m in modules for sub in m.modules()}
+    if module in ignored_modules_all:
+        warnings.warn(
+            "Trying to ignore the top-level module passed into the FSDP constructor itself will result in all "
+            f"parameters being ignored and is not well-supported: {module}",
+            stacklevel=3,
+        )
     params |= {p for m in ignored_modules_all for p in m.parameters(recurse=False)}
     return ignored_modules_all, params
 
@@ -456,7 +475,7 @@ def _resolve_group(
         raise ValueError(
             "Cannot pass both process_group and device_mesh at the same time. Please just pass only one of them."
         )
-    if not dist.is_initialized():
+    if process_group is None and device_mesh is None and not dist.is_initialized():
         raise RuntimeError(
             "FSDP needs torch.distributed to be initialized: call torch.distributed.init_process_group() first "
             "(launch with torchrun), or pass process_group."
@@ -512,9 +531,18 @@ def _compute_device(
             f"FSDP requires all parameters of a module on one device, but found {sorted(map(str, devices))}"
         )
     device = devices.pop() if devices else torch.device("cpu")
-    if device.type == "cpu" and dist.get_backend(group) == "nccl":
+    if device.type == "cpu" and _backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())  # NCCL needs CUDA tensors
     return device
+
+
+def _backend(group: Any) -> str | None:
+    """The group's backend; None for an object that only has rank() and size() (torch's FSDP1 accepts such stand-ins
+    to build and inspect the wrapped structure without a process group)."""
+    try:
+        return dist.get_backend(group)
+    except (ValueError, RuntimeError, AttributeError):
+        return None
 
 
 def _materialize_and_move(module: nn.Module, device: torch.device, param_init_fn, is_boundary) -> None:
@@ -522,6 +550,8 @@ def _materialize_and_move(module: nn.Module, device: torch.device, param_init_fn
     units = [m for _, m in iter_unit_modules(module, is_boundary)]
     if any(t.device.type == "meta" for m in units for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))):
         if param_init_fn is not None:
+            if not callable(param_init_fn):
+                raise ValueError(f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}")
             param_init_fn(module)
         else:
             for sub in units:

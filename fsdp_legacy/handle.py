@@ -128,9 +128,12 @@ class FlatParamHandle:
             # Pinned memory lets the host-to-device copies of the shard run asynchronously on CUDA.
             pin = device.type == "cuda"
             self.local_shard = self.local_shard.to("cpu").pin_memory() if pin else self.local_shard.to("cpu").clone()
-        self._allocate_unsharded(reuse=full)
         self.flat_param = FlatParameter.create(self.local_shard, layout, requires_grad)
-        self.flat_param._local_shard = self.local_shard  # torch's name for it
+        # The shard's own alias (`.data`), with a version counter of its own: writing into it (summon's writeback,
+        # loading a state dict) between a forward and its backward must not look like an in-place change of the
+        # flat parameter that autograd saved views of. `_local_shard` is torch's name for it.
+        self.local_shard = self.flat_param._local_shard = self.flat_param.data
+        self._allocate_unsharded(reuse=full)
         # use_orig_params=True keeps the original Parameters (as views of the shard); otherwise they are released,
         # and their storage with them, so the unsharded model does not outlive construction.
         self.orig_params: dict[ParamInfo, nn.Parameter] = originals if use_orig_params else {}
@@ -247,6 +250,7 @@ class FlatParamHandle:
         """Issue the all-gather of the full flat parameter (asynchronously); `wait_unshard` completes it."""
         if not self.needs_unshard:
             return
+        self.writeback_orig_params()
         _alloc(self.full_padded)
         if not self.sharded:  # NO_SHARD in low precision: a local cast, nothing to gather
             self.full_padded[: self.layout.numel].copy_(self.local_shard)
@@ -329,6 +333,24 @@ class FlatParamHandle:
             yield info.module, info.param_name, info
         for shared in self.layout.shared:
             yield shared.module, shared.param_name, shared.primary
+
+    @torch.no_grad()
+    def writeback_orig_params(self) -> None:
+        """use_orig_params=True: an original parameter whose `.data` the user replaced since the last step (same
+        shape) is copied into the local shard, and becomes a view of it again; as torch does before each unshard."""
+        if not self.use_orig_params or self.training_state == HandleTrainingState.SUMMON_FULL_PARAMS:
+            return  # (summon_full_params shows full views in their place, and writes edits back itself)
+        for info, param in self.orig_params.items():
+            expected = self._local_view(self.local_shard, info)
+            if param.data.is_set_to(expected) or (param.numel() == 0 and expected.numel() == 0):
+                continue
+            if param.numel() != expected.numel():  # (torch compares the flattened shapes, and says so)
+                raise RuntimeError(
+                    "Cannot writeback when the parameter shape changes\n"
+                    f"Expects {torch.Size([expected.numel()])} but got {param.shape}"
+                )
+            expected.copy_(param.data.reshape(expected.shape))
+            param.data = expected
 
     def _use_sharded_orig_params(self) -> None:
         """use_orig_params=True: original parameters become views of the local shard (1-D pieces when sharded)."""
@@ -562,6 +584,19 @@ class FlatParamHandle:
         self.needs_pre_backward = False
         self.post_backward_done = False
         self.backward_prepared = False
+        if self.unsynced_grad is None:
+            self._step_optimizers_in_backward()
+
+    def _step_optimizers_in_backward(self) -> None:
+        """Optimizers applied in backward (torch.distributed.optim._apply_optimizer_in_backward, use_orig_params=True)
+        step on each original parameter once its sharded gradient is final, then drop it, as torch's FSDP1 does."""
+        for param in self.orig_params.values():
+            optimizers = getattr(param, "_in_backward_optimizers", ())
+            if param.grad is None or not optimizers:
+                continue
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
 
 def _uniform(params: list[nn.Parameter], key, what: str):

@@ -16,7 +16,7 @@ import copy
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,13 @@ from .handle import FlatParamHandle
 from .state_dict import _chunk_dtensor, _chunk_sharded_tensor, _clean, _copy, get_state_dict_type
 from .state_dict_loading import _full_tensor, materialize
 from .unit import FSDPUnit
+
+
+class ParamGroups(Protocol):
+    """An optimizer, as far as loading needs one: its parameter groups (`_ParamOrder` stands in for the older API)."""
+
+    param_groups: list[dict[str, Any]]
+
 
 _OPTIM_INPUT_WARNING = (
     "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. You may remove it from your "
@@ -83,7 +90,7 @@ def entries_by_param(model: nn.Module) -> dict[nn.Parameter, _Entry]:
     return by_param
 
 
-def _entries(model: nn.Module, optim: torch.optim.Optimizer) -> list[tuple[int, _Entry]]:
+def _entries(model: nn.Module, optim: ParamGroups) -> list[tuple[int, _Entry]]:
     """(optimizer group index, entry) of every optimizer parameter, in `optim.state_dict()` id order."""
     by_param = entries_by_param(model)
     result = []
@@ -330,12 +337,14 @@ def optim_state_dict_to_load(
 
 @torch.no_grad()
 def _to_load(
-    model: nn.Module, optim: torch.optim.Optimizer, osd: Any, broadcast: bool, group: dist.ProcessGroup | None = None
+    model: nn.Module, optim: ParamGroups, osd: Any, broadcast: bool, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
     if broadcast and dist.is_initialized() and dist.get_world_size(group) > 1:
         holder = [osd if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(holder, group=group, group_src=0)  # rank 0's dict reaches every rank
         osd = holder[0]
+    if not isinstance(osd, dict) or "state" not in osd:  # torch's message, word for word
+        raise ValueError('`optim_state_dict` must have the keys "state"to be a valid optimizer state dict')
     entries = _entries(model, optim)
     saved = osd["state"]
     state: dict[int, dict[str, Any]] = {}
@@ -362,6 +371,8 @@ def _to_load(
             local = _piece_local(handle, entry.infos[0], fulls[0])
         if local:
             state[key] = local
+    if "param_groups" not in osd:  # a state alone loads as a state alone, as in torch
+        return {"state": state}
     return {"state": state, "param_groups": _param_groups(optim, entries, osd["param_groups"])}
 
 
@@ -406,8 +417,18 @@ def _piece_local(handle: FlatParamHandle, info: ParamInfo, values: dict[str, Any
     return {n: _copy_scalar(v) if _is_scalar(v) else v.reshape(-1)[lo:hi].clone() for n, v in values.items()}
 
 
-def _param_groups(optim: torch.optim.Optimizer, entries: list[tuple[int, _Entry]], saved: list[dict]) -> list[dict]:
-    """The optimizer's groups with the saved hyperparameters of the group that holds the same FQNs."""
+def _param_groups(optim: ParamGroups, entries: list[tuple[int, _Entry]], saved: list[dict]) -> list[dict]:
+    """The optimizer's groups with the saved hyperparameters of the group that holds the same FQNs; without an
+    optimizer (the older API given optim_input), the saved groups, renumbered with the ids of this rank's order."""
+    if isinstance(optim, _ParamOrder):
+        id_of = {fqn: key for key, (_, entry) in enumerate(entries) for fqn in entry.fqns}
+        return [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": list(dict.fromkeys(id_of[f] for f in group["params"] if f in id_of)),
+            }
+            for group in saved
+        ]
     saved_group_of = {fqn: group for group in saved for fqn in group["params"]}
     groups = []
     for index, group in enumerate(optim.param_groups):
@@ -419,6 +440,32 @@ def _param_groups(optim: torch.optim.Optimizer, entries: list[tuple[int, _Entry]
 
 # --------------------------------------------------------------------------------------------------------------------
 # The older API (deprecated in torch): thin wrappers over the two functions above
+
+
+@dataclass(frozen=True)
+class _ParamOrder:
+    """What the older API needs of an optimizer it is not given: the parameters in the order the optimizer was (or
+    will be) built with, which numbers them, from `optim_input` (parameters, or param-group dicts) or the model."""
+
+    param_groups: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, model: nn.Module, optim_input: Any) -> "_ParamOrder":
+        if optim_input is None:
+            return cls([{"params": list(model.parameters())}])
+        try:
+            items = list(optim_input)
+        except TypeError as error:  # torch's errors, word for word
+            raise TypeError(
+                f"Optimizer input should be an iterable of Tensors or dicts, but got {optim_input}"
+            ) from error
+        if not items:
+            raise ValueError("Optimizer input should not be empty")
+        if all(isinstance(item, dict) for item in items):
+            return cls([{"params": list(group["params"])} for group in items])
+        if not all(isinstance(item, torch.Tensor) for item in items):
+            raise TypeError("Optimizer input should be an iterable of Tensors or dicts")
+        return cls([{"params": items}])
 
 
 def full_optim_state_dict(
@@ -448,7 +495,7 @@ def shard_full_optim_state_dict(
     optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     _deprecated("shard_full_optim_state_dict", "optim_state_dict_to_load")
-    return _to_load(model, _need_optim(optim, optim_input), full_optim_state_dict, broadcast=False)
+    return _to_load(model, _optimizer_or_order(model, optim, optim_input), full_optim_state_dict, broadcast=False)
 
 
 def flatten_sharded_optim_state_dict(
@@ -466,7 +513,8 @@ def scatter_full_optim_state_dict(
     group: Any | None = None,
 ) -> dict[str, Any]:
     _deprecated("scatter_full_optim_state_dict", "optim_state_dict_to_load")
-    return _to_load(model, _need_optim(optim, optim_input), full_optim_state_dict, broadcast=True, group=group)
+    order = _optimizer_or_order(model, optim, optim_input)
+    return _to_load(model, order, full_optim_state_dict, broadcast=True, group=group)
 
 
 def rekey_optim_state_dict(
@@ -545,11 +593,7 @@ def _check_optim_input(optim_input: Any) -> None:
         warnings.warn(_OPTIM_INPUT_WARNING, FutureWarning, stacklevel=3)
 
 
-def _need_optim(optim: torch.optim.Optimizer | None, optim_input: Any) -> torch.optim.Optimizer:
+def _optimizer_or_order(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Any) -> Any:
+    """The optimizer, whose parameter order wins as in torch; else the order `optim_input` (or the model) gives."""
     _check_optim_input(optim_input)
-    if optim is None:
-        raise NotImplementedError(
-            "Pass the optimizer as optim=...: deriving the parameter order from optim_input is not supported (use "
-            "FSDP.optim_state_dict_to_load(model, optim, optim_state_dict))."
-        )
-    return optim
+    return optim if optim is not None else _ParamOrder.of(model, optim_input)

@@ -63,6 +63,7 @@ class Runtime:
             )
         handle = unit._handle
         if handle is not None:
+            handle.writeback_orig_params()  # (unshard does it too, before a gather; not every unit gathers)
             handle.training_state = HandleTrainingState.FORWARD
             if handle not in self.forward_order:
                 self.forward_order.append(handle)
@@ -102,10 +103,11 @@ class Runtime:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(partial(self._pre_backward, unit))
-        else:
-            unit.training_state = TrainingState.IDLE
-            if unit is self.root:
-                self.iteration_done = True
+        elif unit is self.root:
+            self.iteration_done = True
+        # As in torch: a unit is IDLE between its forward and its backward (which may never come), so summon,
+        # clip_grad_norm_ and state dicts work there; the pre-backward hook sets FORWARD_BACKWARD again.
+        unit.training_state = TrainingState.IDLE
         return output
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -113,6 +115,7 @@ class Runtime:
 
     def _pre_backward(self, unit: FSDPUnit, grad: torch.Tensor) -> None:
         self._queue_backward_callback()
+        unit.training_state = TrainingState.FORWARD_BACKWARD
         handle = unit._handle
         if handle is None or not handle.needs_pre_backward:
             return

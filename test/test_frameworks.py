@@ -1,7 +1,8 @@
 """Unmodified frameworks on fsdp_legacy through the supported switch (FSDP_LEGACY=1), against the same runs on torch's
-own FSDP1: Accelerate's FSDP plugin and Lightning's FSDPStrategy (Fabric and Trainer), each configuration trained on
-2 CPU ranks, clipped, saved, loaded or resumed, and trained on (test/frameworks/run_*.py). Equal: losses, gradient
-norms, parameter dtypes, what was restored, the training after resuming, and every tensor of every checkpoint file.
+own FSDP1: Accelerate's FSDP plugin, Lightning's FSDPStrategy (Fabric and Trainer) and transformers' Trainer (with PEFT
+LoRA), each configuration trained on 2 CPU ranks, clipped, saved, loaded or resumed, and trained on
+(test/frameworks/run_*.py). Equal: losses, gradient norms, parameter dtypes, what was restored, the training after
+resuming, and every tensor of every checkpoint file.
 
 Needs the `frameworks` extra (pip install -e '.[frameworks]'); CI runs these with `pytest -m frameworks`.
 """
@@ -22,7 +23,9 @@ import torch
 
 pytestmark = pytest.mark.frameworks
 HERE = Path(__file__).resolve().parent / "frameworks"
-SKIPPED_FILES = ("random_states", "scheduler", "scaler")  # pickled RNG states and the like: not tensors of ours
+# pickled RNG states, training arguments and the like: not tensors of ours (rng_state_*.pth and training_args.bin do not
+# load with weights_only=True)
+SKIPPED_FILES = ("random_states", "scheduler", "scaler", "rng_state", "training_args")
 
 
 def _free_port() -> int:
@@ -76,25 +79,40 @@ def lightning_runs(workdir: Path) -> tuple[dict, dict, Path, Path]:
     return _runs("run_lightning.py", workdir)
 
 
+@pytest.fixture(scope="module")
+def transformers_runs(workdir: Path) -> tuple[dict, dict, Path, Path]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    return _runs("run_transformers.py", workdir)
+
+
 def _same_figures(ours: dict, theirs: dict) -> None:
     assert ours.keys() == theirs.keys()
     for name, mine in ours.items():
         torch_run = theirs[name]
         assert mine["fsdp"].startswith("fsdp_legacy") and torch_run["fsdp"].startswith("torch.distributed.fsdp")
+        assert mine.keys() == torch_run.keys(), name
         for figure, value in mine.items():
-            if figure in ("fsdp", "params_after_resume"):
+            if figure == "fsdp":
                 continue
-            if isinstance(value, list) and value and isinstance(value[0], float):
+            if figure.startswith("params_"):  # parameter checksums by name
+                assert value.keys() == torch_run[figure].keys(), f"{name}: {figure}"
+                for param, total in value.items():
+                    expected = torch_run[figure][param]
+                    assert abs(total - expected) <= 1e-5 * max(1.0, abs(expected)), f"{name}: {param}: {figure}"
+            elif isinstance(value, list) and value and isinstance(value[0], float):
                 torch.testing.assert_close(value, torch_run[figure], rtol=1e-5, atol=1e-6, msg=f"{name}: {figure}")
             else:
                 assert value == torch_run[figure], f"{name}: {figure}: {value} != {torch_run[figure]}"
-        for param, total in mine["params_after_resume"].items():
-            expected = torch_run["params_after_resume"][param]
-            assert abs(total - expected) <= 1e-5 * max(1.0, abs(expected)), f"{name}: {param} after resuming"
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (a torch.save file or a DCP directory), by its path in the nested dict."""
+    """Every tensor of a checkpoint (a torch.save or safetensors file, or a DCP directory), by its path in the nested
+    dict."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return {f"/{key}": value for key, value in load_file(path).items()}
     if path.is_dir():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -125,7 +143,7 @@ def _checkpoints(root: Path) -> list[Path]:
             found.append(path.relative_to(root))
         elif (
             path.is_file()
-            and path.suffix in (".bin", ".pt", ".ckpt", ".pth")
+            and path.suffix in (".bin", ".pt", ".ckpt", ".pth", ".safetensors")
             and not path.parent.joinpath(".metadata").exists()
         ):
             if not path.name.startswith(SKIPPED_FILES):
@@ -168,4 +186,22 @@ def test_lightning_fabric_and_trainer_train_save_and_resume_as_on_torch_fsdp1(li
 
 def test_lightning_checkpoints_hold_torch_fsdp1s_tensors(lightning_runs: tuple) -> None:
     _, _, ours, theirs = lightning_runs
+    assert _same_checkpoints(ours, theirs) > 100
+
+
+def test_transformers_trainer_and_peft_lora_train_save_and_resume_as_on_torch_fsdp1(transformers_runs: tuple) -> None:
+    ours, theirs, _, _ = transformers_runs
+    _same_figures(ours, theirs)
+    assert {r["config"]["lora"] for r in ours.values()} == {False, True}
+    for run in ours.values():
+        if run["config"]["lora"]:  # only the adapters train
+            assert run["lora_params"] and all(".lora_" in name for name in run["lora_params"])
+            assert run["frozen_max_change"] == 0.0 and run["lora_min_change"] > 0.0
+        else:  # resumed from checkpoint-3 to step 5
+            assert run["compute_dtype"] == ("torch.bfloat16" if run["config"]["bf16"] else "None")
+            assert run["step"] == 5 and len(run["losses"]) == 3 and len(run["losses_after_resume"]) == 2
+
+
+def test_transformers_checkpoints_hold_torch_fsdp1s_tensors(transformers_runs: tuple) -> None:
+    _, _, ours, theirs = transformers_runs
     assert _same_checkpoints(ours, theirs) > 100

@@ -200,6 +200,9 @@ def train(args: argparse.Namespace) -> None:
     if args.impl == "ours" and args.migrate_steps > 0:
         model.train()
         migrate_to_fsdp2(args, model, opt, lambda: GPT(cfg), data_iter, device, dtypes)
+    # Every rank done with every collective before any tears its process group down (a gloo rank torn down while its
+    # peer still exchanges was once seen to abort at exit).
+    dist.barrier()
     dist.destroy_process_group()
 
 

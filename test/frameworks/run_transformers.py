@@ -1,0 +1,180 @@
+"""transformers' Trainer with its FSDP1 settings (`fsdp` / `fsdp_config` with version 1, built through Accelerate), and
+PEFT LoRA trained by the same Trainer, on 2 CPU ranks: train 3 steps, save a checkpoint, a new Trainer resumes from it
+to step 5 (not LoRA: see train_run), for each configuration; see common.py for the contract with test_frameworks.py.
+
+On CPU the Trainer's Accelerator silently uses DDP (Accelerate enables its FSDP plugin only for GPU-like backends): the
+Trainer subclass below sets the accelerator's state to FSDP as Accelerate's FSDP branch would, exactly as
+run_accelerate.py does, and tells the Trainer (`is_fsdp_enabled`), which then wraps, clips, saves and loads through
+FSDP as on a GPU. Accelerate passes device_id=cpu itself, which torch's FSDP1 needs on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from common import check_impl, checksum, full_params, parse_args, results_file
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    state_dict_type: str  # FULL_STATE_DICT | SHARDED_STATE_DICT
+    use_orig_params: bool
+    bf16: bool = False  # TrainingArguments(bf16=True): Accelerate's mixed_precision="bf16"
+    lora: bool = False
+
+
+RUNS = [
+    Run("trainer_fp32_full", "FULL_STATE_DICT", use_orig_params=False),
+    Run("trainer_bf16_sharded_uop", "SHARDED_STATE_DICT", use_orig_params=True, bf16=True),
+    Run("lora_full_uop", "FULL_STATE_DICT", use_orig_params=True, lora=True),
+]
+VOCAB, LENGTH = 64, 16
+
+
+def model(run: Run, seed: int):  # type: ignore[no-untyped-def]
+    """The tiny Llama; with LoRA, the base weights are always the same ("pretrained") and the adapters take `seed`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0 if run.lora else seed)
+    net = LlamaForCausalLM(config)
+    if not run.lora:
+        return net
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(
+        net, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    )
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (64, LENGTH), generator=generator)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def trainer(run: Run, net: Any, directory: str, steps: int):  # type: ignore[no-untyped-def]
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+    from transformers import Trainer, TrainingArguments
+
+    class OnCPU(Trainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if self.args.fsdp_plugin_args is None or self.is_fsdp_enabled:
+                return
+            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)  # as the Trainer builds it
+            state = self.accelerator.state
+            state.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            state.fsdp_plugin = plugin
+            if self.accelerator.mixed_precision != "no":
+                plugin.set_mixed_precision(self.accelerator.mixed_precision)
+            self.is_fsdp_enabled = True  # what the Trainer derives from state.fsdp_plugin (its checks then pass)
+
+    args = TrainingArguments(
+        output_dir=directory,
+        use_cpu=True,
+        fsdp=True,
+        fsdp_config={
+            "version": 1,
+            "reshard_after_forward": "full_shard",
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+            "use_orig_params": run.use_orig_params,
+            "state_dict_type": run.state_dict_type,
+            "sync_module_states": False,  # the Trainer's default True: Accelerate's plugin then needs a GPU device
+        },
+        bf16=run.bf16,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        save_strategy="steps",
+        save_steps=3,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+    )
+    return OnCPU(model=net, args=args, train_dataset=dataset())
+
+
+def train_run(run: Run, impl: str, directory: str) -> dict:
+    if dist.get_rank() == 0 and os.path.exists(directory):
+        shutil.rmtree(directory)
+    dist.barrier()
+    first_model = model(run, seed=0)
+    initial = {name: p.detach().float().clone() for name, p in first_model.named_parameters()}
+    trainable = sorted(name for name, p in first_model.named_parameters() if p.requires_grad)
+    first = trainer(run, first_model, directory, steps=3)
+    first.train()  # saves checkpoint-3
+    history = [entry for entry in first.state.log_history if "loss" in entry]
+    result = dict(
+        config=asdict(run),
+        fsdp=check_impl(impl, first.model_wrapped),
+        losses=[float(entry["loss"]) for entry in history],
+        grad_norms=[float(entry["grad_norm"]) for entry in history],
+        param_dtypes=sorted({str(p.dtype) for p in first.model_wrapped.parameters()}),
+        compute_dtype=str(first.model_wrapped.mixed_precision.param_dtype),  # bf16: Accelerate's MixedPrecision
+    )
+    trained = full_params(first.model_wrapped)
+    dist.barrier()
+    if run.lora:
+        # No resuming: PEFT 0.21.2 finds a model's adapter weights by module names with only the root's
+        # `_fsdp_wrapped_module.` removed, so under FSDP1's nested units (decoder layers, LoRA layers) it selects none,
+        # on torch's FSDP1 as on ours: the checkpoint's adapter files (pytorch_model_fsdp.bin and
+        # adapter_model.safetensors) hold no tensor, and a resumed run would silently go on with fresh adapters.
+        assert trained.keys() == initial.keys(), sorted(trained.keys() ^ initial.keys())
+        change = {name: (trained[name] - initial[name]).abs().max().item() for name in initial}
+        return result | dict(
+            lora_params=trainable,
+            frozen_max_change=max(v for k, v in change.items() if k not in trainable),
+            lora_min_change=min(change[k] for k in trainable),
+            params_after_training=checksum(trained),
+        )
+    second = trainer(run, model(run, seed=1), directory, steps=5)  # other weights: all must come from the checkpoint
+    second.train(resume_from_checkpoint=os.path.join(directory, "checkpoint-3"))
+    check_impl(impl, second.model_wrapped)
+    resumed = [entry for entry in second.state.log_history if "loss" in entry and entry["step"] > 3]
+    result |= dict(
+        step=second.state.global_step,
+        losses_after_resume=[float(entry["loss"]) for entry in resumed],
+        params_after_resume=checksum(full_params(second.model_wrapped)),
+    )
+    dist.barrier()
+    return result
+
+
+def main() -> None:
+    os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"  # otherwise Accelerate passes device_id=cpu:0, which FSDP1 refuses
+    args = parse_args()
+    dist.init_process_group("gloo")  # the Trainer's PartialState takes it over
+    with results_file(args.out) as results:
+        for run in RUNS:
+            if args.only and run.name not in args.only:
+                continue
+            results[run.name] = train_run(run, args.impl, str(args.out / run.name))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
