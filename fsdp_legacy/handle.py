@@ -146,12 +146,16 @@ class FlatParamHandle:
             FLATTENED[param] = f"'{info.fqn}' of the FSDP unit wrapping {type(module).__name__}"
         if use_orig_params:
             self._use_sharded_orig_params()
+            for shared in layout.shared:  # a tied reference moves behind its module's own parameters, as in torch
+                tied = shared.module is not shared.primary.module or shared.param_name != shared.primary.param_name
+                if tied and shared.param_name in shared.module._parameters:
+                    shared.module._parameters[shared.param_name] = shared.module._parameters.pop(shared.param_name)
         else:
             for info in layout.params:
                 del info.module._parameters[info.param_name]
                 originals[info].data = torch.empty(0, dtype=dtype, device=device)
-            for shared in layout.shared:
-                del shared.module._parameters[shared.param_name]
+            for shared in layout.shared:  # (a module reached by two paths lists its parameters twice)
+                shared.module._parameters.pop(shared.param_name, None)
             self._placeholders = {info: torch.empty(info.shape, device="meta", dtype=dtype) for info in layout.params}
             self.drop_unsharded_views()
 

@@ -307,6 +307,8 @@ def _in_module_order(unit: FSDPUnit, entries: dict[str, Any], values: dict[str, 
     Entries holding None (rank0_only on other ranks) are dropped."""
     walk = list(_walk(unit))
     paths = {path for path, _, _ in walk}
+    handle = unit._handle
+    shared = {join_fqn(s.module_name, s.param_name) for s in handle.layout.shared} if handle is not None else set()
     grouped: dict[str, list[str]] = {}
     for key in entries:
         owner = key.rpartition(".")[0]
@@ -320,7 +322,8 @@ def _in_module_order(unit: FSDPUnit, entries: dict[str, Any], values: dict[str, 
     for path, module, nested in walk:
         keys = grouped.pop(path, [])
         if not nested:
-            params = [k for k in keys if k.rpartition(".")[2] in module._parameters]
+            # Registered parameters first; a tied reference comes with the gathered ones, where torch puts it.
+            params = [k for k in keys if k.rpartition(".")[2] in module._parameters and k not in shared]
             gathered = [k for k in by_module.pop(path, []) if k not in params]
             keys = params + gathered + [k for k in keys if k not in params]
         for key in keys:
