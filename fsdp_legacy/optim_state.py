@@ -31,6 +31,7 @@ from .api import (
 )
 from .flat_param import FlatParameter, ParamInfo
 from .handle import FlatParamHandle
+from .naming import clean_fqn
 from .state_dict import _chunk_dtensor, _chunk_sharded_tensor, _clean, _copy, get_state_dict_type
 from .state_dict_loading import _full_tensor, materialize
 from .unit import FSDPUnit
@@ -346,7 +347,7 @@ def _to_load(
     if not isinstance(osd, dict) or "state" not in osd:  # torch's message, word for word
         raise ValueError('`optim_state_dict` must have the keys "state"to be a valid optimizer state dict')
     entries = _entries(model, optim)
-    saved = osd["state"]
+    saved = _by_clean_fqn(osd["state"], entries_by_param(model))
     state: dict[int, dict[str, Any]] = {}
     for key, (_, entry) in enumerate(entries):
         handle = entry.handle
@@ -376,13 +377,42 @@ def _to_load(
     return {"state": state, "param_groups": _param_groups(optim, entries, osd["param_groups"])}
 
 
+def _by_clean_fqn(saved: dict[Any, Any], entries: dict[nn.Parameter, _Entry]) -> dict[str, Any]:
+    """The saved states by clean FQN; a key that names no parameter of the model is an error, not a state to drop
+    silently (a checkpoint of another model, keys with wrapper prefixes of another wrapping, or an id-keyed dict)."""
+    known = {fqn for entry in entries.values() for fqn in entry.fqns}
+    states = {clean_fqn(key) if isinstance(key, str) else key: value for key, value in saved.items()}
+    unexpected = [key for key in states if key not in known]
+    if unexpected:
+        ids = all(isinstance(key, int) for key in unexpected)
+        raise ValueError(
+            f"The optimizer state dict has states for {sorted(map(str, unexpected))[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''}, which name no parameter of this model. "
+            + (
+                "It is keyed by parameter ids (optim.state_dict()): load it with optim.load_state_dict, or re-key it "
+                "with FSDP.rekey_optim_state_dict."
+                if ids
+                else "Load an optimizer state dict saved from this model with FSDP.optim_state_dict (FQN keys)."
+            )
+        )
+    return states
+
+
 def _check_shapes(fqn: str, info: ParamInfo, values: dict[str, Any]) -> None:
     # Slicing a state of another shape would load garbage silently (or fail far from the cause).
     for name, value in values.items():
         if not _is_scalar(value) and value.shape != info.shape:
+            piece = value.dim() == 1 and value.numel() <= info.numel
             raise ValueError(
                 f"The optimizer state '{name}' of {fqn} has shape {tuple(value.shape)} but the parameter has shape "
                 f"{tuple(info.shape)}: load an optimizer state dict saved from this model (same architecture)."
+                + (
+                    " It looks like one rank's flat piece rather than the whole state: a checkpoint saved from the "
+                    "optimizer's own state_dict(), or by torch's DSD helpers without fsdp_legacy.install(), holds "
+                    "pieces; save with FSDP.optim_state_dict (or with the switch on)."
+                    if piece
+                    else ""
+                )
             )
 
 
@@ -429,7 +459,9 @@ def _param_groups(optim: ParamGroups, entries: list[tuple[int, _Entry]], saved: 
             }
             for group in saved
         ]
-    saved_group_of = {fqn: group for group in saved for fqn in group["params"]}
+    saved_group_of = {
+        clean_fqn(fqn) if isinstance(fqn, str) else fqn: group for group in saved for fqn in group["params"]
+    }
     groups = []
     for index, group in enumerate(optim.param_groups):
         ids = [key for key, (g, _) in enumerate(entries) if g == index]

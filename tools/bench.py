@@ -425,6 +425,9 @@ def worker(rank: int, args: argparse.Namespace, nproc: int, store_path: str, res
             env = f"CPU, gloo, {len(os.sched_getaffinity(0))} cores split between the ranks"
         with open(result_path, "wb") as f:
             pickle.dump((rows, descs, env), f)
+    # Every rank done with every collective before any tears its process group down (a gloo rank torn down while its
+    # peer still exchanges was seen to abort at exit).
+    dist.barrier()
     dist.destroy_process_group()
 
 
