@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,20 @@ def results_file(out: Path) -> Iterator[dict[str, Any]]:
     finally:
         if not dist.is_initialized() or dist.get_rank() == 0:
             (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def run_all(
+    args: argparse.Namespace, runs: list[Any], train: Callable[[Any, str, str], dict], suffix: str = ""
+) -> None:
+    """Train every configuration (or the --only ones) in turn, `train(run, impl, checkpoint_path)`; rank 0 writes
+    the results; then every rank leaves its collectives behind together before the process group goes."""
+    with results_file(args.out) as results:
+        for run in runs:
+            if not args.only or run.name in args.only:
+                results[run.name] = train(run, args.impl, str(args.out / f"{run.name}{suffix}"))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def patch_torch_fsdp1_for_cpu() -> None:

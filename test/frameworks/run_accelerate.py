@@ -8,8 +8,7 @@ import shutil
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
-from common import Net, batch, check_impl, checksum, full_params, loss_of, max_difference, parse_args, results_file
+from common import Net, batch, check_impl, checksum, full_params, loss_of, max_difference, parse_args, run_all
 
 
 @dataclass(frozen=True)
@@ -109,15 +108,7 @@ def train_run(run: Run, impl: str, directory: str) -> dict:
 
 def main() -> None:
     os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"  # otherwise Accelerate passes device_id=cpu:0, which FSDP1 refuses
-    args = parse_args()
-    with results_file(args.out) as results:
-        for run in RUNS:
-            if args.only and run.name not in args.only:
-                continue
-            results[run.name] = train_run(run, args.impl, str(args.out / run.name))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    run_all(parse_args(), RUNS, train_run)
 
 
 if __name__ == "__main__":

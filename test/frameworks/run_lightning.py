@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 from common import (
     Block,
     Net,
@@ -26,7 +25,7 @@ from common import (
     loss_of,
     max_difference,
     parse_args,
-    results_file,
+    run_all,
 )
 
 
@@ -226,16 +225,12 @@ def _remove(path: str, rank: int) -> None:
 
 
 def main() -> None:
-    args = parse_args()
-    with results_file(args.out) as results:
-        for run in RUNS:
-            if args.only and run.name not in args.only:
-                continue
-            path = str(args.out / f"{run.name}.ckpt")
-            results[run.name] = (fabric_run if run.api == "fabric" else trainer_run)(run, args.impl, path)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    run_all(
+        parse_args(),
+        RUNS,
+        lambda run, impl, path: (fabric_run if run.api == "fabric" else trainer_run)(run, impl, path),
+        ".ckpt",
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import check_impl, checksum, full_params, parse_args, results_file
+from common import check_impl, checksum, full_params, parse_args, run_all
 
 
 @dataclass(frozen=True)
@@ -166,14 +166,7 @@ def main() -> None:
     os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"  # otherwise Accelerate passes device_id=cpu:0, which FSDP1 refuses
     args = parse_args()
     dist.init_process_group("gloo")  # the Trainer's PartialState takes it over
-    with results_file(args.out) as results:
-        for run in RUNS:
-            if args.only and run.name not in args.only:
-                continue
-            results[run.name] = train_run(run, args.impl, str(args.out / run.name))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    run_all(args, RUNS, train_run)
 
 
 if __name__ == "__main__":
