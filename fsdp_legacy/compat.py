@@ -96,8 +96,7 @@ def uninstall() -> None:
 
 
 def _targets(state: _Installed) -> dict[str, dict[str, Any]]:
-    """torch module -> the names install() sets in it. For a module torch still has, only names it defines are
-    replaced (a private name torch dropped is not re-added); a stand-in gets them all."""
+    """torch module -> the names install() sets in it (added where torch's module lacks one; uninstall removes it)."""
     configs = {name: getattr(api, name) for name in api.__all__}
     wrapper = {"FullyShardedDataParallel": FullyShardedDataParallel}
     return {
