@@ -90,6 +90,11 @@ def test_state_dicts_with_wrappers_applied_after_wrapping_match_torch(use_orig_p
     run_on_ranks(_state_dicts_match_torch, 2, use_orig_params, strategy)
 
 
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_state_dicts_with_wrappers_at_one_and_four_ranks_match_torch(world_size: int) -> None:
+    run_on_ranks(_state_dicts_match_torch, world_size, True, "FULL_SHARD")
+
+
 def _torch_fsdp():  # type: ignore[no-untyped-def]
     import torch.distributed.fsdp as torch_fsdp
 

@@ -125,6 +125,11 @@ def test_older_api_with_optim_input_matches_torch(use_orig_params: bool) -> None
     run_on_ranks(_as_torch, 2, use_orig_params)
 
 
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_older_api_at_one_and_four_ranks_matches_torch(world_size: int) -> None:
+    run_on_ranks(_as_torch, world_size, True)
+
+
 def _save(path: str, use_orig_params: bool) -> None:
     model = build_ours(Config("net", use_orig_params=use_orig_params))[1]
     full = _full(model, _trained(model), fsdp_legacy)

@@ -4,6 +4,7 @@ after backward; summon_full_params between forwards; torch's own enum members ac
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
@@ -47,6 +48,11 @@ def test_training_state_through_steps_matches_torch() -> None:
     for use_orig_params in (False, True):
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
             run_on_ranks(_same_timeline_as_torch, 2, use_orig_params, strategy)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_training_state_at_one_and_four_ranks_matches_torch(world_size: int) -> None:
+    run_on_ranks(_same_timeline_as_torch, world_size, True, "FULL_SHARD")
 
 
 def _summon_between_forwards_and_torch_members() -> None:

@@ -76,6 +76,14 @@ def test_writeback_of_replaced_data_and_grads_as_torch(strategy: str, mixed: boo
     run_on_ranks(_same_as_torch, 2, strategy, mixed, edit)
 
 
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_writeback_at_one_and_four_ranks_as_torch(world_size: int) -> None:
+    # (not "size" at 4 ranks: each rank resizes its first non-empty piece, which at 4 ranks lies in different units
+    # on different ranks, so some raise at the root's unshard while the others enter its all-gather; torch's FSDP1
+    # does the same: the check is local to each rank)
+    run_on_ranks(_same_as_torch, world_size, "FULL_SHARD", False, "data")
+
+
 def _names_inside_forward(use_orig_params: bool) -> None:
     config = Config("net", use_orig_params=use_orig_params)
     seen = []
