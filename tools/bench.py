@@ -347,7 +347,7 @@ def plot(rows: list[Row], path: Path, title: str, descs: dict[str, str]) -> None
     models = list(dict.fromkeys(r.model for r in rows))
     world_sizes = sorted({r.ranks for r in rows})
     fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 6.6), squeeze=False)
-    colors = plt.get_cmap("tab10").colors
+    colors = [plt.get_cmap("tab10")(i) for i in range(10)]
     for col, model in enumerate(models):
         mrows = [r for r in rows if r.model == model]
         impls = list(dict.fromkeys(r.impl for r in mrows))
