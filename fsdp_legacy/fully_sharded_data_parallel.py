@@ -87,7 +87,6 @@ class FullyShardedDataParallel(FSDPUnit):
         self.rank = self.process_group.rank()
         self.world_size = self.process_group.size()
         self.compute_device = _compute_device(module, device_id, self.process_group, self._ignored_params)
-        _materialize_and_move(module, self.compute_device, param_init_fn, self._is_boundary_for(module))
 
         for sub in module.modules():  # the marks torch.compile (Dynamo) and transformers look for, as torch sets them
             if sub not in self._ignored_modules:
@@ -119,6 +118,9 @@ class FullyShardedDataParallel(FSDPUnit):
                 self._ignored_params,
                 root_kwargs,
             )
+        # After the nested units, which materialise their own modules as they are built (as in torch: the same
+        # modules get param_init_fn, and random initialisation draws in the same order).
+        _materialize_and_move(module, self.compute_device, param_init_fn, self._is_boundary_for(module))
 
         if self.world_size == 1 and sharding_strategy != ShardingStrategy.NO_SHARD:
             warnings.warn(
@@ -545,16 +547,29 @@ def _backend(group: Any) -> str | None:
         return None
 
 
+def _breadth_first(root: nn.Module, is_boundary: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The unit's modules once each, breadth first, not entering nested units or ignored modules."""
+    found, seen = [root], {id(root)}
+    for module in found:  # (the list grows as it is walked: a queue)
+        for child in module.children():
+            if id(child) not in seen and not is_boundary(child):
+                seen.add(id(child))
+                found.append(child)
+    return found
+
+
 def _materialize_and_move(module: nn.Module, device: torch.device, param_init_fn, is_boundary) -> None:
-    """Materialise meta-device parameters (param_init_fn, else to_empty + reset_parameters) and move to `device`."""
-    units = [m for _, m in iter_unit_modules(module, is_boundary)]
+    """Materialise a meta-device unit as torch's FSDP1 does, each of its modules in breadth-first order:
+    `param_init_fn(module)` for every one, else `to_empty` + `reset_parameters()` for those holding tensors. Then move
+    the unit's tensors to `device`."""
+    units = _breadth_first(module, is_boundary)
     if any(t.device.type == "meta" for m in units for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))):
-        if param_init_fn is not None:
-            if not callable(param_init_fn):
-                raise ValueError(f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}")
-            param_init_fn(module)
-        else:
-            for sub in units:
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ValueError(f"Expected {param_init_fn} to be callable but got {type(param_init_fn)}")
+        for sub in units:
+            if param_init_fn is not None:
+                param_init_fn(sub)
+            elif any(True for _ in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
                 sub.to_empty(device=device, recurse=False)
                 reset = getattr(sub, "reset_parameters", None)
                 if callable(reset):

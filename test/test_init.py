@@ -8,10 +8,11 @@ import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 
+import fsdp_legacy
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.wrap import ModuleWrapPolicy
-from fsdp_utils import assert_close, assert_same_params, full_params, loss_of, optimizer, train_net_with_ddp
+from fsdp_utils import assert_close, full_params, loss_of, optimizer, train_net_with_ddp
 from harness import run_on_ranks
 
 
@@ -47,36 +48,60 @@ def test_ignored_states_match_torch(kind: str, use_orig_params: bool) -> None:
     run_on_ranks(_ignored, 2, kind, use_orig_params)
 
 
-def _meta_init(use_param_init_fn: bool) -> None:
-    with torch.device("meta"):
-        meta = models.Net()
-    torch.manual_seed(0)
-    reference = models.Net()
+def _meta_model(use_param_init_fn: bool) -> nn.Module:
     if use_param_init_fn:
+        return models.Net()  # the root's buffer is set by the function
+    # torch's default materialisation calls reset_parameters() on every module that holds a tensor
+    return nn.Sequential(nn.Linear(3, 5), nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 3)), nn.Linear(3, 2))
 
-        def init(module: nn.Module) -> None:
-            module.to_empty(device="cpu")
-            with torch.no_grad():
-                for i, param in enumerate(module.parameters()):
-                    param.fill_(0.1 * (i + 1))
-                module.buf.copy_(torch.arange(2.0))
 
-        init(reference)
-        ours = FSDP(meta, param_init_fn=init, auto_wrap_policy=ModuleWrapPolicy({models.Block}))
-    else:
-        # Without param_init_fn: to_empty + reset_parameters module by module in pre-order, from the same seed.
+def _init_per_module(module: nn.Module) -> None:
+    """A param_init_fn as torch's FSDP1 calls it: once for each module of a unit, breadth first."""
+    module.to_empty(device="cpu", recurse=False)
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    if "buf" in module._buffers:
+        module.buf.copy_(torch.arange(2.0))
+
+
+def _meta_init(use_param_init_fn: bool) -> None:
+    """Meta-device models materialise as torch's FSDP1 materialises them (the same modules given to param_init_fn,
+    or reset, in the same order, so random initialisation draws the same values), then train like DDP."""
+    full = []
+    for lib, wrap, extra in (
+        (fsdp_legacy, fsdp_legacy.wrap, {}),
+        (torch_fsdp, torch_fsdp.wrap, {"device_id": torch.device("cpu")}),
+    ):
+        with torch.device("meta"):
+            meta = _meta_model(use_param_init_fn)
+        classes = {models.Block} if use_param_init_fn else {nn.Sequential}
         torch.manual_seed(1)
-        for module in reference.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        torch.manual_seed(1)
-        ours = FSDP(meta, auto_wrap_policy=ModuleWrapPolicy({models.Block}))
-        ours.buf.copy_(reference.buf)  # buffers have no reset_parameters: to_empty leaves them uninitialised
-    assert_same_params(ours, reference)
-    train_net_with_ddp(ours, reference)
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), f"{name} after training")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = lib.FullyShardedDataParallel(
+                meta,
+                auto_wrap_policy=wrap.ModuleWrapPolicy(classes),
+                param_init_fn=_init_per_module if use_param_init_fn else None,
+                **extra,
+            )
+        with lib.FullyShardedDataParallel.summon_full_params(model):
+            full.append(
+                {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+            )
+        if lib is fsdp_legacy:
+            ours = model
+    assert full[0].keys() == full[1].keys()
+    for name, value in full[0].items():
+        assert torch.equal(value, full[1][name]), name
+    if use_param_init_fn:  # and it trains like DDP from the same weights
+        reference = models.Net()
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                param.copy_(full[0][name])
+        train_net_with_ddp(ours, reference)
+        after = full_params(ours)
+        for name, param in reference.named_parameters():
+            assert_close(after[name], param.detach(), f"{name} after training")
 
 
 @pytest.mark.parametrize("use_param_init_fn", [False, True])
