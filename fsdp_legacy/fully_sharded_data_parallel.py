@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
 
 from . import optim_state as _optim_state
+from . import optim_state_legacy as _optim_state_legacy
 from . import state_dict as _state_dict
 from . import state_dict_loading as _state_dict_loading
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -324,15 +325,15 @@ class FullyShardedDataParallel(FSDPUnit):
     get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
     state_dict_type = staticmethod(_state_dict.state_dict_type)
 
-    # Optimizer state dicts (optim_state.py)
+    # Optimizer state dicts (optim_state.py; the older API in optim_state_legacy.py)
     optim_state_dict = staticmethod(_optim_state.optim_state_dict)
     optim_state_dict_to_load = staticmethod(_optim_state.optim_state_dict_to_load)
-    full_optim_state_dict = staticmethod(_optim_state.full_optim_state_dict)
-    sharded_optim_state_dict = staticmethod(_optim_state.sharded_optim_state_dict)
-    shard_full_optim_state_dict = staticmethod(_optim_state.shard_full_optim_state_dict)
-    flatten_sharded_optim_state_dict = staticmethod(_optim_state.flatten_sharded_optim_state_dict)
-    scatter_full_optim_state_dict = staticmethod(_optim_state.scatter_full_optim_state_dict)
-    rekey_optim_state_dict = staticmethod(_optim_state.rekey_optim_state_dict)
+    full_optim_state_dict = staticmethod(_optim_state_legacy.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(_optim_state_legacy.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(_optim_state_legacy.shard_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(_optim_state_legacy.flatten_sharded_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(_optim_state_legacy.scatter_full_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(_optim_state_legacy.rekey_optim_state_dict)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         return _state_dict_loading.load_state_dict(self, state_dict, strict, assign)
