@@ -339,9 +339,12 @@ def _fail_mid_write(directory: str, fresh_directory: str) -> None:
     dist.barrier()
     parent = os.path.dirname(directory)
     assert not os.path.exists(fresh_directory), "no destination directory after a failed first save"
-    assert sorted(os.listdir(parent)) == [os.path.basename(directory)], "no temporary left behind"
+    assert sorted(os.listdir(parent)) == [os.path.basename(directory)], (
+        f"no temporary left behind: {os.listdir(parent)}"
+    )
     if dist.get_rank() == 0:
         assert_equal(read_directory(directory)[0], before, "the previous checkpoint is untouched")
+    dist.barrier()  # every rank has looked before rank 0 starts the next save (and its temporary)
     save_full_model(ours, directory, max_shard_size="3KB")  # and a save after the failure works
     expected = full_state_dict_without_tied(ours)
     if dist.get_rank() == 0:
