@@ -9,7 +9,6 @@ FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 FLAT_PARAM = "_flat_param"
 CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"  # torch.distributed.algorithms._checkpoint's wrapper
-CHECKPOINT_PREFIX = CHECKPOINT_WRAPPED_MODULE + "."
 TRANSPARENT_MODULES = (FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE)
 
 

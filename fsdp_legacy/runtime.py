@@ -63,7 +63,8 @@ class Runtime:
             )
         handle = unit._handle
         if handle is not None:
-            handle.writeback_orig_params()  # (unshard does it too, before a gather; not every unit gathers)
+            if not handle.needs_unshard:  # a gathering unit writes back in unshard(), before its all-gather
+                handle.writeback_orig_params()
             handle.training_state = HandleTrainingState.FORWARD
             if handle not in self.forward_order:
                 self.forward_order.append(handle)
