@@ -33,6 +33,8 @@ DONE = _Done()
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Waitable:
     """Gather equal 1-D shards of every rank into `output` (world_size * shard.numel() elements)."""
+    if output.dtype == torch.bool:  # not every backend gathers bool: move the same bytes as uint8
+        output, shard = output.view(torch.uint8), shard.view(torch.uint8)
     return _all_gather_single(output, shard, group=group, async_op=True)
 
 

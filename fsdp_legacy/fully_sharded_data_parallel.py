@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import optim_state as _optim_state
 from . import optim_state_legacy as _optim_state_legacy
@@ -159,31 +160,39 @@ class FullyShardedDataParallel(FSDPUnit):
         if sync_module_states:
             everyone = self.process_group if self._inter_node_pg is None else _get_default_group()
             _broadcast_from_rank0(module, managed, is_boundary, everyone)
-        self._handle: FlatParamHandle | None = None
-        if managed:
-            self._handle = FlatParamHandle(
+        # One flat parameter per dtype among the managed parameters (one, as in torch, unless the unit mixes dtypes:
+        # frozen integer weights beside trainable adapters, say), each sharded and gathered on its own.
+        self._handles: list[FlatParamHandle] = []
+        for index, group in enumerate(_by_dtype(module, managed, is_boundary)):
+            floating = next(iter(group)).is_floating_point()
+            handle = FlatParamHandle(
                 module,
-                managed,
+                group,
                 is_boundary,
                 self.process_group,
                 sharded=sharding_strategy in _SHARDED_STRATEGIES,
                 reshard_after_forward=sharding_strategy in _RESHARD_AFTER_FORWARD,
                 use_orig_params=use_orig_params,
                 device=self.compute_device,
-                param_dtype=self.mixed_precision.param_dtype,
-                reduce_dtype=self.mixed_precision.reduce_dtype,
+                # MixedPrecision casts floating-point parameters only: integer ones are gathered as they are.
+                param_dtype=self.mixed_precision.param_dtype if floating else None,
+                reduce_dtype=self.mixed_precision.reduce_dtype if floating else None,
                 replicate_group=self._inter_node_pg,
                 offload_params=self.cpu_offload.offload_params,
                 keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
+                flat_name=FLAT_PARAM if index == 0 else f"{FLAT_PARAM}_{index}",
             )
-            if self._handle.flat_param.requires_grad:
+            self._handles.append(handle)
+            if handle.flat_param.requires_grad:
                 # Through a weak reference: torch's garbage collector does not see into post-accumulate-grad hooks,
                 # so a hook holding the unit would keep the whole model alive after `del model`.
-                hook = functools.partial(_post_backward_hook, weakref.ref(self))
-                self._handle.flat_param.register_post_accumulate_grad_hook(hook)
+                hook = functools.partial(_post_backward_hook, weakref.ref(self), weakref.ref(handle))
+                handle.flat_param.register_post_accumulate_grad_hook(hook)
+        self._handle: FlatParamHandle | None = self._handles[0] if self._handles else None  # torch's name
         self._fsdp_wrapped_module = module
-        if self._handle is not None and not use_orig_params:
-            module.register_parameter(FLAT_PARAM, self._handle.flat_param)
+        if not use_orig_params:
+            for handle in self._handles:
+                module.register_parameter(handle.flat_name, handle.flat_param)
         _state_dict.init_unit(self)
         _state_dict_loading.register_load_hooks(self)
 
@@ -208,6 +217,14 @@ class FullyShardedDataParallel(FSDPUnit):
                         "flattened it. A parameter can live in only one FSDP unit, so the modules sharing it must be "
                         "wrapped together: change the auto_wrap_policy so they belong to the same unit (e.g. do not "
                         "wrap one of them separately), or pass the parameter in ignored_states."
+                    )
+                if is_traceable_wrapper_subclass(param.data):
+                    raise ValueError(
+                        f"Parameter '{fqn}' of {type(sub).__name__} holds a {type(param.data).__name__}, a tensor "
+                        "subclass with its own inner tensors, which a flat parameter cannot hold: FSDP1 shards the "
+                        "plain bytes of each parameter. Store the plain data in the parameter (an nn.Parameter "
+                        "subclass carrying its extra state as attributes is kept, as bitsandbytes' Params4bit does), "
+                        "or pass the parameter in ignored_states (it then stays whole on every rank)."
                     )
                 if param.dim() == 0:
                     raise ValueError(
@@ -235,10 +252,10 @@ class FullyShardedDataParallel(FSDPUnit):
             unit._is_root = unit is self
             unit._runtime = runtime
             unit._cast_buffers()
-            if unit._handle is not None:
-                if hasattr(unit._handle.flat_param, "_in_backward_optimizers"):
+            for handle in unit._handles:
+                if hasattr(handle.flat_param, "_in_backward_optimizers"):
                     raise RuntimeError("FSDP optimizer in backward only supported with use_orig_params=True!")
-                unit._handle.adopt_replaced_flat_param()
+                handle.adopt_replaced_flat_param()
         return runtime
 
     def _cast_buffers(self) -> None:
@@ -256,7 +273,7 @@ class FullyShardedDataParallel(FSDPUnit):
 
     @property
     def params(self) -> list[FlatParameter]:
-        return [self._handle.flat_param] if self._handle is not None else []
+        return [handle.flat_param for handle in self._handles]
 
     # torch FSDP1's private attributes that frameworks read (docs/compatibility.md says which framework reads which).
 
@@ -271,7 +288,7 @@ class FullyShardedDataParallel(FSDPUnit):
     @property
     def _all_handles(self) -> list[FlatParamHandle]:
         """The handles of every unit in this one's tree (torch sets the same list on the root)."""
-        return [unit._handle for unit in fsdp_modules(self) if unit._handle is not None]
+        return [handle for unit in fsdp_modules(self) for handle in unit._handles]
 
     @property
     def _fqn_modifiers(self) -> Any:
@@ -365,7 +382,7 @@ class FullyShardedDataParallel(FSDPUnit):
         if not self._is_root:
             raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP instance")
         self._assert_state(TrainingState.IDLE)
-        handles = [unit._handle for unit in FullyShardedDataParallel.fsdp_modules(self) if unit._handle is not None]
+        handles = [handle for unit in FullyShardedDataParallel.fsdp_modules(self) for handle in unit._handles]
         return clip_grad_norm_(self, handles, self.process_group, max_norm, norm_type)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
@@ -383,8 +400,8 @@ class FullyShardedDataParallel(FSDPUnit):
             if not callable(hook):
                 raise ValueError(f"The communication hook must be callable but got {hook}")
             unit._comm_hook, unit._comm_hook_state = hook, state
-            if unit._handle is not None:
-                unit._handle.comm_hook, unit._handle.comm_hook_state = hook, state
+            for handle in unit._handles:
+                handle.comm_hook, handle.comm_hook_state = hook, state
 
     @staticmethod
     def summon_full_params(
@@ -419,11 +436,25 @@ class FullyShardedDataParallel(FSDPUnit):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), buffer
 
 
-def _post_backward_hook(unit_ref: "weakref.ref[FullyShardedDataParallel]", flat_param: torch.Tensor) -> None:
-    unit = unit_ref()
-    if unit is not None:
+def _post_backward_hook(
+    unit_ref: "weakref.ref[FullyShardedDataParallel]",
+    handle_ref: "weakref.ref[FlatParamHandle]",
+    flat_param: torch.Tensor,
+) -> None:
+    unit, handle = unit_ref(), handle_ref()
+    if unit is not None and handle is not None:
         assert unit._runtime is not None, "backward follows a forward, which sets the runtime"
-        unit._runtime.post_backward(unit)
+        unit._runtime.post_backward(unit, handle)
+
+
+def _by_dtype(module: nn.Module, managed: set[nn.Parameter], is_boundary) -> list[set[nn.Parameter]]:
+    """The managed parameters grouped by dtype, groups in the order their first parameter appears in the unit."""
+    groups: dict[torch.dtype, set[nn.Parameter]] = {}
+    for _, sub in iter_unit_modules(module, is_boundary):
+        for param in sub._parameters.values():
+            if param is not None and param in managed:
+                groups.setdefault(param.dtype, set()).add(param)
+    return list(groups.values())
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _collectives as comm
 from .api import FSDPEnum
 from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, aligned_numel_for, build_layout, flatten
+from .naming import FLAT_PARAM
 
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
 # units) fails with a clear message instead of silently owning a stale copy.
@@ -68,7 +69,9 @@ class FlatParamHandle:
         replicate_group: dist.ProcessGroup | None = None,
         offload_params: bool = False,
         keep_low_precision_grads: bool = False,
+        flat_name: str = FLAT_PARAM,
     ):
+        self.flat_name = flat_name  # its name on the wrapped module (use_orig_params=False) and in LOCAL state dicts
         self.group = group  # the ranks that share one copy of the parameters, a shard each
         self.rank = group.rank()
         self.world_size = group.size()
@@ -117,6 +120,12 @@ class FlatParamHandle:
         )
         self.layout: FlatParamLayout = layout
         originals = {info: _registered(info.module, info.param_name) for info in layout.params}
+        # Parameter subclasses (quantized weights carrying their quantization state, say): the unsharded views and
+        # placeholders are made of the same class with the same attributes, so layers that read them keep working.
+        # (Only true subclasses: a parameter under FakeTensorMode is a FakeTensor, which is not one.)
+        self._typed: dict[ParamInfo, nn.Parameter] = {
+            i: p for i, p in originals.items() if issubclass(type(p), nn.Parameter) and type(p) is not nn.Parameter
+        }
         with torch.no_grad():
             full = flatten(layout, {i: p.detach() for i, p in originals.items()}, device, dtype)
         if sharded:
@@ -156,7 +165,9 @@ class FlatParamHandle:
                 originals[info].data = torch.empty(0, dtype=dtype, device=device)
             for shared in layout.shared:  # (a module reached by two paths lists its parameters twice)
                 shared.module._parameters.pop(shared.param_name, None)
-            self._placeholders = {info: torch.empty(info.shape, device="meta", dtype=dtype) for info in layout.params}
+            self._placeholders = {
+                info: self.typed(torch.empty(info.shape, device="meta", dtype=dtype), info) for info in layout.params
+            }
             self.drop_unsharded_views()
 
     def _set_precision(self, dtype: torch.dtype) -> None:
@@ -224,7 +235,7 @@ class FlatParamHandle:
         if self.use_orig_params:
             self._use_sharded_orig_params()
         else:
-            self._placeholders = {i: p.to(data.dtype) for i, p in self._placeholders.items()}
+            self._placeholders = {i: self.typed(p.to(data.dtype), i) for i, p in self._placeholders.items()}
             self.drop_unsharded_views()
 
     @property
@@ -317,8 +328,29 @@ class FlatParamHandle:
         for info, param in self.orig_params.items():
             if not param.requires_grad:  # frozen (use_orig_params=True): autograd computes no gradient for it
                 views[info] = views[info].detach()
+        for info in self._typed:
+            views[info] = self.typed(views[info], info)
         for module, name, info in self._attributes():
             module.__dict__[name] = views[info]
+
+    def typed(self, tensor: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+        """`tensor` as an instance of the original parameter's class with its attributes, when that is a Parameter
+        subclass (the result shares data and autograd history with `tensor`); `tensor` itself otherwise."""
+        original = self._typed.get(info)
+        if original is None:
+            return tensor
+        result = tensor.as_subclass(type(original))
+        result.__dict__.update(original.__dict__)
+        return result
+
+    def as_parameter(self, data: torch.Tensor, info: ParamInfo, requires_grad: bool) -> nn.Parameter:
+        """A parameter of the original's class (with its attributes) holding `data`, as summon_full_params shows it."""
+        original = self._typed.get(info)
+        if original is None:
+            return nn.Parameter(data, requires_grad=requires_grad)
+        param = torch.Tensor._make_subclass(type(original), data, requires_grad)
+        param.__dict__.update(original.__dict__)
+        return param
 
     def drop_unsharded_views(self) -> None:
         """Outside forward/backward: use_orig_params=True falls back to the registered (sharded) parameters. With

@@ -74,7 +74,7 @@ def _collect(model: nn.Module) -> tuple[list[_Entry], list[FlatParamHandle]]:
     handles: list[FlatParamHandle] = []
     seen: dict[object, _Entry] = {}
     managed = {
-        id(p) for m in model.modules() if isinstance(m, FSDPUnit) and m._handle for p in m._handle.orig_params.values()
+        id(p) for m in model.modules() if isinstance(m, FSDPUnit) for h in m._handles for p in h.orig_params.values()
     }
 
     def add(identity: object, entry: _Entry) -> None:
@@ -87,8 +87,7 @@ def _collect(model: nn.Module) -> tuple[list[_Entry], list[FlatParamHandle]]:
     def visit(module: nn.Module, path: str, unit: FSDPUnit | None, unit_path: str) -> None:
         if isinstance(module, FSDPUnit):
             unit, unit_path = module, path
-            handle = module._handle
-            if handle is not None:
+            for handle in module._handles:  # (several in a unit whose parameters differ in dtype)
                 if handle not in handles:
                     handles.append(handle)
                 index, dtype = handles.index(handle), handle.local_shard.dtype

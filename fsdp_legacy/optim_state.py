@@ -73,25 +73,23 @@ class _Entry:
     fqns: tuple[str, ...]
     infos: tuple[ParamInfo, ...]  # empty for a parameter outside every FSDP unit
     unit: FSDPUnit | None = None
-
-    @property
-    def handle(self) -> FlatParamHandle | None:
-        return self.unit._handle if self.unit is not None else None
+    handle: FlatParamHandle | None = None  # the unit's flat parameter that holds them
 
 
 def entries_by_param(model: nn.Module) -> dict[nn.Parameter, _Entry]:
     """Every parameter an optimizer of `model` can hold (flat or original) -> the original FQNs it stands for."""
     by_param: dict[nn.Parameter, _Entry] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, FSDPUnit) or module._handle is None:
+        if not isinstance(module, FSDPUnit):
             continue
-        handle, prefix = module._handle, _clean(f"{name}." if name else "")
-        if handle.use_orig_params:
-            for info, param in handle.orig_params.items():
-                by_param[param] = _Entry((prefix + info.fqn,), (info,), module)
-        else:
-            infos = handle.layout.params
-            by_param[handle.flat_param] = _Entry(tuple(prefix + i.fqn for i in infos), infos, module)
+        prefix = _clean(f"{name}." if name else "")
+        for handle in module._handles:
+            if handle.use_orig_params:
+                for info, param in handle.orig_params.items():
+                    by_param[param] = _Entry((prefix + info.fqn,), (info,), module, handle)
+            else:
+                infos = handle.layout.params
+                by_param[handle.flat_param] = _Entry(tuple(prefix + i.fqn for i in infos), infos, module, handle)
     for name, param in model.named_parameters():  # ignored parameters, or ones outside every unit
         by_param.setdefault(param, _Entry((_clean(name),), ()))
     return by_param
@@ -195,21 +193,21 @@ def _save(
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank(group) == 0
     full = kind == StateDictType.FULL_STATE_DICT
     values: dict[str, dict[str, Any]] = {}  # fqn -> name -> saved value
-    by_unit: dict[int, list[tuple[int, _Entry]]] = {}  # a unit's parameters are gathered together
+    by_handle: dict[int, list[tuple[int, _Entry]]] = {}  # a flat parameter's originals are gathered together
     for key, (_, entry) in enumerate(entries):
-        if entry.unit is not None:
-            by_unit.setdefault(id(entry.unit), []).append((key, entry))
+        if entry.handle is not None:
+            by_handle.setdefault(id(entry.handle), []).append((key, entry))
         elif keep:
             values[entry.fqns[0]] = {
                 n: _copy_scalar(v) if _is_scalar(v) else _copy(v, config.offload_to_cpu)
                 for n, v in osd["state"].get(key, {}).items()
             }
-    for unit_entries in by_unit.values():
-        unit = unit_entries[0][1].unit
-        assert unit is not None
-        for fqn, gathered in _gather_unit(unit, unit_entries, osd["state"], local, specs):
+    for handle_entries in by_handle.values():
+        unit, handle = handle_entries[0][1].unit, handle_entries[0][1].handle
+        assert unit is not None and handle is not None
+        for fqn, gathered in _gather_handle(handle, handle_entries, osd["state"], local, specs):
             if keep:
-                values[fqn] = {name: _save_value(value, unit, full, config) for name, value in gathered.items()}
+                values[fqn] = {name: _save_value(value, unit, handle, full, config) for name, value in gathered.items()}
     if not keep:
         return {}
     state = {fqn: values[fqn] for _, entry in entries for fqn in entry.fqns if values.get(fqn)}
@@ -234,8 +232,8 @@ def _in_torch_uop_order(state: dict[str, Any], entries: list[tuple[int, _Entry]]
     return dict(sorted(state.items(), key=lambda kv: (unit_rank[unit_of[kv[0]]] if kv[0] in unit_of else -1, kv[0])))
 
 
-def _gather_unit(
-    unit: FSDPUnit,
+def _gather_handle(
+    handle: FlatParamHandle,
     unit_entries: list[tuple[int, _Entry]],
     state: dict[int, dict[str, Any]],
     local_by_fqn: dict[str, dict[str, Any]],
@@ -243,8 +241,6 @@ def _gather_unit(
 ) -> Iterable[tuple[str, dict[str, Any]]]:
     """(fqn, {state name: full tensor view or scalar}) of the unit's parameters that have state anywhere; a scalar
     is this rank's own where it has one, else another rank's."""
-    handle = unit._handle
-    assert handle is not None
     shard_numel = handle.local_shard.numel()
     pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
     infos = [(info, fqn) for _, e in unit_entries for info, fqn in zip(e.infos, e.fqns, strict=True)]
@@ -298,11 +294,9 @@ def _in_torch_order(specs: dict[str, Any], use_orig_params: bool) -> list[tuple[
     return sorted(specs.items(), key=rank)
 
 
-def _save_value(value: Any, unit: FSDPUnit, full: bool, config: OptimStateDictConfig) -> Any:
+def _save_value(value: Any, unit: FSDPUnit, handle: FlatParamHandle, full: bool, config: OptimStateDictConfig) -> Any:
     if _is_scalar(value):
         return _copy_scalar(value)
-    handle = unit._handle
-    assert handle is not None
     # NO_SHARD with use_orig_params keeps full tensors under SHARDED/LOCAL too, as torch does (not without).
     if full or (not handle.sharded and handle.use_orig_params):
         return _copy(value, config.offload_to_cpu)  # never a view of the gather buffer (torch's CPU bug)

@@ -38,8 +38,8 @@ class Runtime:
     def __init__(self, root: FSDPUnit, units: Sequence[FSDPUnit]):
         self.root = root
         self.units = units  # pre-order, root first
-        self.forward_order: list[FlatParamHandle] = []  # this iteration's first-use order
-        self.previous_forward_order: list[FlatParamHandle] = []  # the last iteration's, for forward prefetch
+        self.forward_order: list[FSDPUnit] = []  # this iteration's first-use order of units with parameters
+        self.previous_forward_order: list[FSDPUnit] = []  # the last iteration's, for forward prefetch
         self.iteration_done = True  # the next root forward starts a new iteration
         self.pending: deque[PendingReduction] = deque()
         self.backward_callback_queued = False
@@ -61,19 +61,39 @@ class Runtime:
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
-        handle = unit._handle
-        if handle is not None:
-            if not handle.needs_unshard:  # a gathering unit writes back in unshard(), before its all-gather
-                handle.writeback_orig_params()
-            handle.training_state = HandleTrainingState.FORWARD
-            if handle not in self.forward_order:
-                self.forward_order.append(handle)
-            self._issue_unshard(handle)
+        if unit._handles:
+            for handle in unit._handles:
+                if not handle.needs_unshard:  # a gathering unit writes back in unshard(), before its all-gather
+                    handle.writeback_orig_params()
+                handle.training_state = HandleTrainingState.FORWARD
+            if unit not in self.forward_order:
+                self.forward_order.append(unit)
+            self._issue_unshard(unit)
             if unit.forward_prefetch:
-                self._prefetch(_neighbour(self.previous_forward_order, handle, +1))
-            handle.wait_unshard()
-            handle.use_unsharded_views()
+                self._prefetch(_neighbour(self.previous_forward_order, unit, +1))
+            for handle in unit._handles:
+                handle.wait_unshard()
+                handle.use_unsharded_views()
+            self._register_frozen_reshard(unit, args, kwargs)
         return args, kwargs
+
+    def _register_frozen_reshard(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> None:
+        """A flat parameter without gradient (frozen weights, integer ones) has no post-backward hook to reshard it:
+        reshard it once the gradients of the unit's inputs are computed, when its backward is over, as torch's FSDP1
+        does, rather than holding it unsharded until the end of backward (which a unit without such inputs does)."""
+        frozen = [handle for handle in unit._handles if not handle.flat_param.requires_grad]
+        if not frozen or not torch.is_grad_enabled():
+            return
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            torch.autograd.graph.register_multi_grad_hook(inputs, partial(self._reshard_frozen, frozen))
+
+    def _reshard_frozen(self, frozen: list[FlatParamHandle], grads: Sequence[torch.Tensor | None]) -> None:
+        for handle in frozen:
+            if handle.training_state == HandleTrainingState.BACKWARD_PRE and handle.uses_buffer:
+                self._reshard(handle)
+                handle.training_state = HandleTrainingState.BACKWARD_POST
+                handle.needs_pre_backward = True  # a unit run twice in forward gathers again for its earlier run
 
     def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.iteration_done:
@@ -82,8 +102,8 @@ class Runtime:
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
         self.full_precision_eval = not self.root.training and os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
         for unit in self.units:
-            if unit._handle is not None:
-                unit._handle.select_precision(self.full_precision_eval)
+            for handle in unit._handles:
+                handle.select_precision(self.full_precision_eval)
         if self.compute_device.type != "cpu":
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_device, non_blocking=True), (args, kwargs)
@@ -91,9 +111,8 @@ class Runtime:
         return args, kwargs
 
     def post_forward(self, unit: FSDPUnit, output: Any) -> Any:
-        handle = unit._handle
         grad_enabled = torch.is_grad_enabled()
-        if handle is not None:
+        for handle in unit._handles:
             # The root keeps its parameters for the backward that follows at once (as torch FSDP1 does), unless they
             # are only a local recast (NO_SHARD); without grad there is no backward, so everything reshards.
             if not grad_enabled or (handle.reshard_after_forward and (unit is not self.root or handle.recast_only)):
@@ -117,24 +136,24 @@ class Runtime:
     def _pre_backward(self, unit: FSDPUnit, grad: torch.Tensor) -> None:
         self._queue_backward_callback()
         unit.training_state = TrainingState.FORWARD_BACKWARD
-        handle = unit._handle
-        if handle is None or not handle.needs_pre_backward:
+        handles = [handle for handle in unit._handles if handle.needs_pre_backward]
+        if not handles:
             return
-        handle.needs_pre_backward = False
-        handle.training_state = HandleTrainingState.BACKWARD_PRE
-        self._issue_unshard(handle)
+        for handle in handles:
+            handle.needs_pre_backward = False
+            handle.training_state = HandleTrainingState.BACKWARD_PRE
+        self._issue_unshard(unit)
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
-            self._prefetch_for_backward(handle)
-        handle.wait_unshard()
-        handle.prepare_gradient_for_backward()
-        # Activation checkpointing re-runs the unit's forward during backward: the attributes must hold the data.
-        handle.use_unsharded_views()
+            self._prefetch_for_backward(unit)
+        for handle in handles:
+            handle.wait_unshard()
+            handle.prepare_gradient_for_backward()
+            # Activation checkpointing re-runs the unit's forward during backward: the attributes must hold the data.
+            handle.use_unsharded_views()
 
-    def post_backward(self, unit: FSDPUnit) -> None:
-        """Runs once this backward's gradient has accumulated into the unit's unsharded flat parameter."""
+    def post_backward(self, unit: FSDPUnit, handle: FlatParamHandle) -> None:
+        """Runs once this backward's gradient has accumulated into one of the unit's unsharded flat parameters."""
         self._queue_backward_callback()
-        handle = unit._handle
-        assert handle is not None, "only units with a flat parameter register the post-backward hook"
         handle.training_state = HandleTrainingState.BACKWARD_POST
         grad = handle.take_unsharded_grad()
         if handle.uses_buffer:
@@ -154,7 +173,7 @@ class Runtime:
                 self._finish_oldest_reduction()
         handle.post_backward_done = True
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
-            self._prefetch_for_backward(handle)
+            self._prefetch_for_backward(unit)
 
     def _queue_backward_callback(self) -> None:
         if not self.backward_callback_queued:
@@ -165,8 +184,8 @@ class Runtime:
         while self.pending:
             self._finish_oldest_reduction()
         for unit in self.units:
-            if unit._handle is not None:
-                unit._handle.finish_backward()
+            for handle in unit._handles:
+                handle.finish_backward()
             unit.training_state = TrainingState.IDLE
         self.reshard_events.clear()
         self.backward_callback_queued = False
@@ -179,23 +198,24 @@ class Runtime:
     # ----------------------------------------------------------------------------------------------------------------
     # All-gather scheduling
 
-    def _prefetch(self, handle: FlatParamHandle | None) -> None:
-        if handle is not None and handle.sharded:
-            self._issue_unshard(handle)
+    def _prefetch(self, unit: FSDPUnit | None) -> None:
+        if unit is not None:
+            self._issue_unshard(unit, only_sharded=True)
 
-    def _prefetch_for_backward(self, current: FlatParamHandle) -> None:
+    def _prefetch_for_backward(self, current: FSDPUnit) -> None:
         """Start the all-gather of the unit whose backward comes next (the one before `current` in forward order)."""
         upcoming = _neighbour(self.forward_order, current, -1)
-        if upcoming is not None and upcoming.needs_pre_backward:
+        if upcoming is not None and any(handle.needs_pre_backward for handle in upcoming._handles):
             self._prefetch(upcoming)
 
-    def _issue_unshard(self, handle: FlatParamHandle) -> None:
-        if not handle.needs_unshard:
-            return
-        if self.limit_all_gathers:
-            while len(self.reshard_events) >= MAX_INFLIGHT_RESHARDS:
-                self.reshard_events.popleft().synchronize()
-        handle.unshard()
+    def _issue_unshard(self, unit: FSDPUnit, only_sharded: bool = False) -> None:
+        for handle in unit._handles:
+            if not handle.needs_unshard or (only_sharded and not handle.sharded):
+                continue
+            if self.limit_all_gathers:
+                while len(self.reshard_events) >= MAX_INFLIGHT_RESHARDS:
+                    self.reshard_events.popleft().synchronize()
+            handle.unshard()
 
     def _reshard(self, handle: FlatParamHandle) -> None:
         handle.reshard()
@@ -205,10 +225,10 @@ class Runtime:
             self.reshard_events.append(event)
 
 
-def _neighbour(order: list[FlatParamHandle], handle: FlatParamHandle, step: int) -> FlatParamHandle | None:
-    """The handle `step` places from `handle` in `order` (forward order; step -1 is the next one in backward)."""
+def _neighbour(order: list[FSDPUnit], unit: FSDPUnit, step: int) -> FSDPUnit | None:
+    """The unit `step` places from `unit` in `order` (forward order; step -1 is the next one in backward)."""
     try:
-        index = order.index(handle) + step
+        index = order.index(unit) + step
     except ValueError:
         return None
     return order[index] if 0 <= index < len(order) else None

@@ -48,7 +48,7 @@ from .convert.record import RECORD_SUFFIX, FlatParamRecord
 from .flat_param import ParamInfo
 from .handle import FlatParamHandle
 from .naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
-from .unit import FLAT_PARAM, FSDPUnit, clean_fqn, fsdp_modules
+from .unit import FSDPUnit, clean_fqn, fsdp_modules
 
 _CONFIG_TYPES = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -178,28 +178,33 @@ def _effective(unit: FSDPUnit) -> tuple[StateDictType, StateDictConfig]:
 @torch.no_grad()
 def _post_state_dict_hook(unit: FSDPUnit, destination: dict, prefix: str, local_metadata: Any) -> None:
     kind, config = _effective(unit)
-    handle: FlatParamHandle | None = unit._handle
     # The unit's entries are the last ones saved (its whole subtree); take them out and put them back rewritten.
     entries = {_relative(key, prefix): destination.pop(key) for key in [k for k in destination if k.startswith(prefix)]}
     own_buffers = _own_buffer_keys(unit)
     rank0_only = isinstance(config, FullStateDictConfig) and config.rank0_only
     keep = not rank0_only or unit.rank == 0
-    if handle is not None:
-        if kind == StateDictType.LOCAL_STATE_DICT:
-            entries[FLAT_PARAM] = _local_flat_tensor(handle, config.offload_to_cpu)
-            # fsdp_legacy's addition, right after it: the layout record that makes the checkpoint readable without the
-            # model's code (docs/compatibility.md).
-            record = FlatParamRecord.from_layout(handle.layout, _clean(prefix), handle.local_shard.dtype)
-            entries = {
-                key: value
-                for name, entry in entries.items()
-                for key, value in [(name, entry)]
-                + ([(name + RECORD_SUFFIX, record.to_tensor())] if name == FLAT_PARAM else [])
-            }
-        else:
-            entries.pop(FLAT_PARAM, None)
-            values = _unsharded_values(unit, handle, kind, config, keep)
-            entries = _in_module_order(unit, entries, values)
+    if unit._handles and kind == StateDictType.LOCAL_STATE_DICT:
+        for handle in unit._handles:
+            entries[handle.flat_name] = _local_flat_tensor(handle, config.offload_to_cpu)
+        # fsdp_legacy's addition, right after each flat parameter: the layout record that makes the checkpoint
+        # readable without the model's code (docs/compatibility.md).
+        records = {
+            handle.flat_name: FlatParamRecord.from_layout(
+                handle.layout, _clean(prefix), handle.local_shard.dtype, handle.flat_name
+            ).to_tensor()
+            for handle in unit._handles
+        }
+        entries = {
+            key: value
+            for name, entry in entries.items()
+            for key, value in [(name, entry)] + ([(name + RECORD_SUFFIX, records[name])] if name in records else [])
+        }
+    elif unit._handles:
+        values: dict[str, Any] = {}
+        for handle in unit._handles:
+            entries.pop(handle.flat_name, None)
+            values.update(_unsharded_values(unit, handle, kind, config, keep))
+        entries = _in_module_order(unit, entries, values)
     if kind != StateDictType.LOCAL_STATE_DICT:
         for key in own_buffers & entries.keys():
             if not keep:
@@ -284,8 +289,8 @@ def _unsharded_values(
                 values[key] = None
                 continue
             param = full[info.offset : info.offset + info.numel].view(info.shape)
-            if kind == StateDictType.FULL_STATE_DICT:
-                values[key] = _copy(param, config.offload_to_cpu)
+            if kind == StateDictType.FULL_STATE_DICT:  # (a Parameter subclass's value keeps its class and attributes)
+                values[key] = handle.typed(_copy(param, config.offload_to_cpu), info)
             elif getattr(config, "_use_dtensor", False) or unit._device_mesh is not None:
                 values[key] = _chunk_dtensor(param, unit, config.offload_to_cpu)
             else:
@@ -307,8 +312,7 @@ def _in_module_order(unit: FSDPUnit, entries: dict[str, Any], values: dict[str, 
     Entries holding None (rank0_only on other ranks) are dropped."""
     walk = list(_walk(unit))
     paths = {path for path, _, _ in walk}
-    handle = unit._handle
-    shared = {join_fqn(s.module_name, s.param_name) for s in handle.layout.shared} if handle is not None else set()
+    shared = {join_fqn(s.module_name, s.param_name) for handle in unit._handles for s in handle.layout.shared}
     grouped: dict[str, list[str]] = {}
     for key in entries:
         owner = key.rpartition(".")[0]

@@ -66,18 +66,30 @@ def _pre_load_state_dict_hook(
     wrapped = prefix + FSDP_PREFIX
     for key in [k for k in state_dict if k.startswith(prefix)]:  # checkpoint names -> this unit's module names
         state_dict[wrapped + key[len(prefix) :]] = state_dict.pop(key)
-    handle: FlatParamHandle | None = unit._handle
-    if handle is None:
+    if not unit._handles:
         return
     if local_metadata.get("assign_to_params_buffers"):  # raised before any module of the unit has loaded
         raise RuntimeError(
             "load_state_dict(assign=True) is not supported by FSDP: its parameters are flat shards that cannot be "
             "replaced by the checkpoint's tensors. Call load_state_dict(state_dict) without assign."
         )
+    for handle in unit._handles:
+        _load_handle(unit, handle, kind, state_dict, wrapped, missing_keys, error_msgs)
+
+
+def _load_handle(
+    unit: FSDPUnit,
+    handle: FlatParamHandle,
+    kind: StateDictType,
+    state_dict: dict,
+    wrapped: str,
+    missing_keys: list[str],
+    error_msgs: list[str],
+) -> None:
     if handle.sharded and handle.is_unsharded:
         handle.reshard()  # an unsharded copy left from forward would go stale; backward re-gathers if it needs it
-    # Take the unit's parameter entries out: they are loaded (and reported missing) here, not by nn.Module.
-    flat_key = wrapped + FLAT_PARAM
+    # Take the flat parameter's entries out: they are loaded (and reported missing) here, not by nn.Module.
+    flat_key = wrapped + handle.flat_name
     flat_value = materialize(state_dict.pop(flat_key, None))
     local = kind == StateDictType.LOCAL_STATE_DICT
     record = state_dict.pop(flat_key + RECORD_SUFFIX, None) if local else None  # absent in torch's LOCAL dicts
@@ -267,7 +279,7 @@ def _check_record(handle: FlatParamHandle, key: str, value: Any, error_msgs: lis
     except CheckpointError as error:
         error_msgs.append(str(error))
         return False
-    mine = FlatParamRecord.from_layout(handle.layout, saved.prefix, handle.local_shard.dtype)
+    mine = FlatParamRecord.from_layout(handle.layout, saved.prefix, handle.local_shard.dtype, handle.flat_name)
     if (saved.params, saved.shared, saved.numel, saved.dtype) == (mine.params, mine.shared, mine.numel, mine.dtype):
         return True
     if saved.world_size != mine.world_size and saved.at_world_size(mine.world_size) == mine:

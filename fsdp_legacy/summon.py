@@ -11,11 +11,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from . import _collectives as comm
 from .handle import FlatParamHandle, HandleTrainingState
-from .unit import FLAT_PARAM, FSDPUnit, TrainingState
+from .unit import FSDPUnit, TrainingState
 
 
 @contextlib.contextmanager
@@ -52,12 +51,21 @@ def _summon_unit(
     unit: FSDPUnit, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> Iterator[None]:
     unit.training_state = TrainingState.SUMMON_FULL_PARAMS
-    handle = unit._handle
     try:
-        if handle is None:
+        with contextlib.ExitStack() as stack:
+            for handle in unit._handles:
+                stack.enter_context(_summon_handle(unit, handle, writeback, rank0_only, offload_to_cpu, with_grads))
             yield
-            return
-        handle.training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+    finally:
+        unit.training_state = TrainingState.IDLE
+
+
+@contextlib.contextmanager
+def _summon_handle(
+    unit: FSDPUnit, handle: FlatParamHandle, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+) -> Iterator[None]:
+    handle.training_state = HandleTrainingState.SUMMON_FULL_PARAMS
+    try:
         # use_orig_params=True: take in what the user did to the gradients since backward (zero_grad), or the exit,
         # which points the parameters' .grad at the sharded gradient again, would bring the old one back.
         handle.sync_grad_from_orig_params()
@@ -80,9 +88,7 @@ def _summon_unit(
                     handle.local_shard.copy_(full[handle.rank * n : (handle.rank + 1) * n])
             _hide(unit, handle)
     finally:
-        if handle is not None:
-            handle.training_state = HandleTrainingState.IDLE
-        unit.training_state = TrainingState.IDLE
+        handle.training_state = HandleTrainingState.IDLE
 
 
 def _gather_grad(handle: FlatParamHandle) -> torch.Tensor | None:
@@ -117,11 +123,11 @@ def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_gr
             if full_grad is not None and param.requires_grad:
                 param.grad = full_grad[info.offset : info.offset + info.numel].view(info.shape)
         return
-    unit.module._parameters.pop(FLAT_PARAM, None)
+    unit.module._parameters.pop(handle.flat_name, None)
     requires_grad = handle.flat_param.requires_grad
     params = {}
     for info, view in views.items():
-        param = nn.Parameter(view, requires_grad=requires_grad)
+        param = handle.as_parameter(view, info, requires_grad)
         if full_grad is not None:
             param.grad = full_grad[info.offset : info.offset + info.numel].view(info.shape)
         params[info] = param
@@ -138,5 +144,5 @@ def _hide(unit: FSDPUnit, handle: FlatParamHandle) -> None:
         return
     for module, name, _ in handle._attributes():
         module._parameters.pop(name, None)
-    unit.module.register_parameter(FLAT_PARAM, handle.flat_param)
+    unit.module.register_parameter(handle.flat_name, handle.flat_param)
     handle.drop_unsharded_views()

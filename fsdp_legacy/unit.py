@@ -48,7 +48,8 @@ class FSDPUnit(nn.Module):
     limit_all_gathers: bool
     _use_orig_params: bool
     _device_mesh: Any
-    _handle: FlatParamHandle | None  # None when the unit manages no parameter
+    _handles: list[FlatParamHandle]  # one per dtype among the unit's parameters (one, as in torch, or none)
+    _handle: FlatParamHandle | None  # the first (torch's name): None when the unit manages no parameter
     # Per step
     training_state: TrainingState
     _is_root: bool | None  # None until the first forward decides the root

@@ -317,34 +317,41 @@ def _check_uniform_requires_grad(
     ignored_params: set[nn.Parameter],
     use_orig_params: bool,
 ) -> None:
-    """Each unit flattens its own parameters (those not inside a nested unit) together, which needs
+    """Each unit flattens its own parameters (those not inside a nested unit) of one dtype together, which needs
     one requires_grad value when use_orig_params=False, and wastes gradient memory otherwise."""
     claimed: set[nn.Module] = set()  # modules whose parameters an earlier (nested) unit owns
     for fqn, unit, _, _ in order:
         if unit not in targets:
             continue
-        params = _unit_params(unit, fqn, claimed, ignored_params)
-        trainable = [name for p, name in params.items() if p.requires_grad]
-        frozen = [name for p, name in params.items() if not p.requires_grad]
-        if not (trainable and frozen):
-            continue
-        msg = f"{fqn} has both parameters with requires_grad=True and False."
-        if use_orig_params:
-            numel, trainable_numel = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-            msg += (
-                " We do not recommend wrapping such modules since the gradient memory usage will be higher than "
-                f"expected ({numel} numel instead of {trainable_numel} numel before sharding via reduce-scatter). "
-            )
-        else:
-            msg += " FSDP does not support wrapping such modules when use_orig_params=False. "
+        by_dtype: dict[torch.dtype, dict[nn.Parameter, str]] = {}
+        for param, name in _unit_params(unit, fqn, claimed, ignored_params).items():
+            by_dtype.setdefault(param.dtype, {})[param] = name
+        for params in by_dtype.values():
+            _check_one_flat_param(fqn, params, use_orig_params)
+
+
+def _check_one_flat_param(fqn: str, params: dict[nn.Parameter, str], use_orig_params: bool) -> None:
+    trainable = [name for p, name in params.items() if p.requires_grad]
+    frozen = [name for p, name in params.items() if not p.requires_grad]
+    if not (trainable and frozen):
+        return
+    msg = f"{fqn} has both parameters with requires_grad=True and False."
+    if use_orig_params:
+        numel, trainable_numel = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
         msg += (
-            "If possible, wrap the frozen parameters with FSDP separately.\n"
-            f"The following parameters have requires_grad=True:\n{trainable}\n"
-            f"The following parameters have requires_grad=False:\n{frozen}"
+            " We do not recommend wrapping such modules since the gradient memory usage will be higher than "
+            f"expected ({numel} numel instead of {trainable_numel} numel before sharding via reduce-scatter). "
         )
-        if not use_orig_params:
-            raise ValueError(msg)
-        warnings.warn(msg, stacklevel=4)  # _check_uniform_requires_grad -> auto_wrap -> ctor -> user
+    else:
+        msg += " FSDP does not support wrapping such modules when use_orig_params=False. "
+    msg += (
+        "If possible, wrap the frozen parameters with FSDP separately.\n"
+        f"The following parameters have requires_grad=True:\n{trainable}\n"
+        f"The following parameters have requires_grad=False:\n{frozen}"
+    )
+    if not use_orig_params:
+        raise ValueError(msg)
+    warnings.warn(msg, stacklevel=5)  # _check_one_flat_param -> _check_uniform_requires_grad -> auto_wrap -> ctor
 
 
 def _unit_params(

@@ -138,19 +138,17 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every original parameter of our FSDP `model`, all-gathered from the shards, keyed by the unwrapped FQN."""
     result = {}
     for unit_name, unit in model.named_modules():
-        if not isinstance(unit, FSDP) or unit._handle is None:
-            continue
-        handle = unit._handle
-        flat = handle.local_shard.detach()
-        if handle.sharded:
-            flat = torch.empty(handle.layout.padded_numel, dtype=flat.dtype)
-            dist.all_gather_single(flat, handle.local_shard.detach().contiguous(), group=handle.group)
-        prefix = clean(unit_name + "." if unit_name else "")
-        for info in handle.layout.params:
-            result[prefix + info.fqn] = flat[info.offset : info.offset + info.numel].view(info.shape).clone()
-        for shared in handle.layout.shared:
-            name = f"{shared.module_name}.{shared.param_name}" if shared.module_name else shared.param_name
-            result[prefix + name] = result[prefix + shared.primary.fqn]
+        for handle in unit._handles if isinstance(unit, FSDP) else ():
+            flat = handle.local_shard.detach()
+            if handle.sharded:
+                flat = torch.empty(handle.layout.padded_numel, dtype=flat.dtype)
+                dist.all_gather_single(flat, handle.local_shard.detach().contiguous(), group=handle.group)
+            prefix = clean(unit_name + "." if unit_name else "")
+            for info in handle.layout.params:
+                result[prefix + info.fqn] = flat[info.offset : info.offset + info.numel].view(info.shape).clone()
+            for shared in handle.layout.shared:
+                name = f"{shared.module_name}.{shared.param_name}" if shared.module_name else shared.param_name
+                result[prefix + name] = result[prefix + shared.primary.fqn]
     return result
 
 

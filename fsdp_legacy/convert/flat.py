@@ -15,7 +15,7 @@ import torch
 from ..flat_param import PADDING_VALUE
 from .checkpoint import Checkpoint, Chunk, Path, TensorMeta
 from .errors import CheckpointError
-from .record import FLAT_PARAM, RECORD_SUFFIX, FlatParamRecord, ParamRecord
+from .record import RECORD_SUFFIX, FlatParamRecord, ParamRecord, is_flat_key, is_record_key
 
 LAYOUT = "layout"  # the top-level section that carries records through full and DCP checkpoints
 
@@ -25,7 +25,7 @@ def records_in(checkpoint: Checkpoint) -> dict[str, FlatParamRecord]:
     found: dict[str, FlatParamRecord] = {}
     for section in ("model", LAYOUT):
         for key, leaf in checkpoint.section(section).items():
-            if isinstance(key, str) and key.endswith(FLAT_PARAM + RECORD_SUFFIX) and isinstance(leaf, TensorMeta):
+            if is_record_key(key) and isinstance(leaf, TensorMeta):
                 where = f"{section}.{key} in {checkpoint.location}"
                 record = FlatParamRecord.from_tensor(checkpoint.read((section, key)), where)
                 if record.record_key != key:
@@ -39,8 +39,7 @@ def records_in(checkpoint: Checkpoint) -> dict[str, FlatParamRecord]:
 
 def is_local(checkpoint: Checkpoint) -> bool:
     """Whether the model section has flat parameters (or records of them)."""
-    suffixes = (FLAT_PARAM, FLAT_PARAM + RECORD_SUFFIX)
-    return any(isinstance(key, str) and key.endswith(suffixes) for key in checkpoint.section("model"))
+    return any(is_flat_key(key) or is_record_key(key) for key in checkpoint.section("model"))
 
 
 class Unflattened(Checkpoint):
@@ -51,7 +50,7 @@ class Unflattened(Checkpoint):
         self.location, self._source = source.location, source
         model = source.section("model")
         own = records_in(source)
-        flats = [key for key in model if isinstance(key, str) and key.endswith(FLAT_PARAM)]
+        flats = [key for key in model if is_flat_key(key)]
         for key in own.keys() - set(flats):
             raise CheckpointError(
                 f"{source.location} has the layout record model.{key}{RECORD_SUFFIX} but no flat "
@@ -74,11 +73,7 @@ class Unflattened(Checkpoint):
                 self.leaves.update(
                     (p, TensorMeta(torch.Size(self._params[p][1].shape), dtype)) for p in managed[flat_key]
                 )
-            elif (
-                path in self._params
-                or path[0] == LAYOUT
-                or (isinstance(flat_key, str) and flat_key.endswith(FLAT_PARAM + RECORD_SUFFIX))
-            ):
+            elif path in self._params or path[0] == LAYOUT or is_record_key(flat_key):
                 continue  # use_orig_params' per-rank views, and the records (now in the layout section)
             else:
                 self.leaves[path] = leaf

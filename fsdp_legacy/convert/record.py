@@ -9,8 +9,9 @@ clean FQN with shape and offset, the padding segments, the dtype, the world size
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -19,6 +20,8 @@ from .errors import CheckpointError
 
 FLAT_PARAM = "_flat_param"  # torch's name, as fully_sharded_data_parallel.FLAT_PARAM (not imported: no model code here)
 RECORD_SUFFIX = "_meta"
+# A unit whose parameters differ in dtype has one flat parameter per dtype: `_flat_param`, then `_flat_param_1`, ...
+_FLAT_NAME = re.compile(rf"(^|\.)({FLAT_PARAM}(_[1-9][0-9]*)?)$")
 FORMAT = "fsdp_legacy.flat_param_layout"
 VERSION = 1
 
@@ -44,14 +47,15 @@ class FlatParamRecord:
     shared: tuple[tuple[str, str], ...]  # (fqn, fqn of the stored parameter it is tied to), relative to the prefix
     segments: tuple[tuple[int, bool], ...]  # (numel, is_padding) covering [0, numel)
     numel: int  # alignment padding included, world padding not (the LOCAL_STATE_DICT's global size)
+    name: str = FLAT_PARAM  # the flat parameter's name in its unit
 
     @property
     def flat_key(self) -> str:
-        return self.prefix + FLAT_PARAM
+        return self.prefix + self.name
 
     @property
     def record_key(self) -> str:
-        return self.prefix + FLAT_PARAM + RECORD_SUFFIX
+        return self.prefix + self.name + RECORD_SUFFIX
 
     @property
     def shard_numel(self) -> int:
@@ -76,8 +80,11 @@ class FlatParamRecord:
     # ----------------------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_layout(cls, layout: FlatParamLayout, prefix: str, dtype: torch.dtype) -> "FlatParamRecord":
+    def from_layout(
+        cls, layout: FlatParamLayout, prefix: str, dtype: torch.dtype, name: str = FLAT_PARAM
+    ) -> "FlatParamRecord":
         return cls(
+            name=name,
             prefix=prefix,
             dtype=dtype,
             world_size=layout.world_size,
@@ -96,6 +103,7 @@ class FlatParamRecord:
             "format": FORMAT,
             "version": VERSION,
             "prefix": self.prefix,
+            **({"name": self.name} if self.name != FLAT_PARAM else {}),  # (one-dtype units: as before)
             "dtype": str(self.dtype).removeprefix("torch."),
             "world_size": self.world_size,
             "aligned_numel": self.aligned_numel,
@@ -125,6 +133,7 @@ class FlatParamRecord:
                 shared=tuple((a, b) for a, b in body["shared"]),
                 segments=tuple((int(n), bool(pad)) for n, pad in body["segments"]),
                 numel=int(body["numel"]),
+                name=str(body.get("name", FLAT_PARAM)),
             )
             ok = body.get("format") == FORMAT and body.get("version") == VERSION
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
@@ -140,7 +149,8 @@ class FlatParamRecord:
             )
         stored = {p.fqn for p in record.params}
         if (
-            record.world_size < 1
+            not is_flat_key(record.name)
+            or record.world_size < 1
             or record.at_world_size(record.world_size) != record
             or any(primary not in stored for _, primary in record.shared)
         ):
@@ -149,6 +159,15 @@ class FlatParamRecord:
                 "from its parameter shapes); the checkpoint is damaged. Re-save it."
             )
         return record
+
+
+def is_flat_key(key: object) -> TypeGuard[str]:
+    """Whether a state-dict key names a flat parameter (`_flat_param`, or `_flat_param_<i>` of a mixed-dtype unit)."""
+    return isinstance(key, str) and _FLAT_NAME.search(key) is not None
+
+
+def is_record_key(key: object) -> TypeGuard[str]:
+    return isinstance(key, str) and key.endswith(RECORD_SUFFIX) and is_flat_key(key[: -len(RECORD_SUFFIX)])
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -11,6 +11,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from ..handle import FlatParamHandle
 from ..unit import FSDPUnit, clean_fqn
 
 
@@ -55,8 +56,7 @@ def grad_hooks(model: nn.Module) -> Iterator[tuple[torch.Tensor, tuple[str, Cate
     gradients when the unit computes on a separate unsharded buffer) and plain parameters (whole gradients)."""
     flat = set()
     for name, unit in model.named_modules():
-        if isinstance(unit, FSDPUnit) and unit._handle is not None:
-            handle = unit._handle
+        for handle in unit._handles if isinstance(unit, FSDPUnit) else ():
             flat |= {handle.flat_param, *handle.orig_params.values()}
             if handle.flat_param.requires_grad:
                 category = Category.UNSHARDED_GRAD if handle.uses_buffer else Category.SHARDED_GRAD
@@ -83,9 +83,9 @@ def roles(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> Iter
             if buffer is not None:
                 yield buffer, Category.BUFFER, clean(name)
     for name, unit in model.named_modules():
-        if isinstance(unit, FSDPUnit) and unit._handle is not None:
-            yield from _unit_roles(unit, clean(name))
-            for param in unit._handle.orig_params.values():  # use_orig_params=True: views of the shard
+        for handle in unit._handles if isinstance(unit, FSDPUnit) else ():
+            yield from _handle_roles(handle, clean(name))
+            for param in handle.orig_params.values():  # use_orig_params=True: views of the shard
                 owner[param] = clean(name)
     runtime = getattr(model, "_runtime", None)
     for pending in runtime.pending if runtime is not None else ():  # gradient reductions in flight
@@ -99,9 +99,7 @@ def roles(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> Iter
                     yield value, Category.OPTIMIZER_STATE, owner.get(param, "")
 
 
-def _unit_roles(unit: FSDPUnit, name: str) -> Iterator[Role]:
-    handle = unit._handle
-    assert handle is not None
+def _handle_roles(handle: FlatParamHandle, name: str) -> Iterator[Role]:
     yield handle.flat_param, Category.SHARDED_PARAM, name
     for buffer in getattr(handle, "_unsharded_buffers", {handle.compute_dtype: handle.full_padded}).values():
         if handle.uses_buffer:  # otherwise (NO_SHARD, full precision) it is the local shard itself
