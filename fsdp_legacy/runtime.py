@@ -47,6 +47,9 @@ class Runtime:
         self.limit_all_gathers = root.limit_all_gathers and self.compute_device.type == "cuda"
         self.reshard_events: deque = deque()
         self.full_precision_eval = False
+        # Per unit with frozen flat parameters: its runs in this iteration whose backward is still to come (-1: a run
+        # that cannot be tracked, so they reshard at the end of backward).
+        self.frozen_runs: dict[FSDPUnit, int] = {}
 
     # ----------------------------------------------------------------------------------------------------------------
     # Forward
@@ -80,25 +83,35 @@ class Runtime:
     def _register_frozen_reshard(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> None:
         """A flat parameter without gradient (frozen weights, integer ones) has no post-backward hook to reshard it:
         reshard it once the gradients of the unit's inputs are computed, when its backward is over, as torch's FSDP1
-        does, rather than holding it unsharded until the end of backward (which a unit without such inputs does)."""
-        frozen = [handle for handle in unit._handles if not handle.flat_param.requires_grad]
-        if not frozen or not torch.is_grad_enabled():
+        does, rather than holding it unsharded until the end of backward. A unit run several times waits for the
+        backward of every run; one run whose inputs need no gradient leaves no such moment: the end of backward."""
+        if not torch.is_grad_enabled() or all(handle.flat_param.requires_grad for handle in unit._handles):
             return
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if inputs:
-            torch.autograd.graph.register_multi_grad_hook(inputs, partial(self._reshard_frozen, frozen))
+        if not inputs:
+            self.frozen_runs[unit] = -1  # untracked until the end of backward
+        elif self.frozen_runs.get(unit, 0) >= 0:
+            self.frozen_runs[unit] = self.frozen_runs.get(unit, 0) + 1
+            torch.autograd.graph.register_multi_grad_hook(inputs, partial(self._reshard_frozen, unit))
 
-    def _reshard_frozen(self, frozen: list[FlatParamHandle], grads: Sequence[torch.Tensor | None]) -> None:
-        for handle in frozen:
-            if handle.training_state == HandleTrainingState.BACKWARD_PRE and handle.uses_buffer:
-                self._reshard(handle)
+    def _reshard_frozen(self, unit: FSDPUnit, grads: Sequence[torch.Tensor | None]) -> None:
+        runs = self.frozen_runs.get(unit, 0)
+        if runs <= 0:
+            return
+        self.frozen_runs[unit] = runs - 1
+        if runs > 1:
+            return
+        for handle in unit._handles:
+            if not handle.flat_param.requires_grad and handle.training_state == HandleTrainingState.BACKWARD_PRE:
+                if handle.uses_buffer:
+                    self._reshard(handle)
                 handle.training_state = HandleTrainingState.BACKWARD_POST
-                handle.needs_pre_backward = True  # a unit run twice in forward gathers again for its earlier run
 
     def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.iteration_done:
             self.previous_forward_order, self.forward_order = self.forward_order, []
             self.iteration_done = False
+            self.frozen_runs.clear()
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
         self.full_precision_eval = not self.root.training and os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
         for unit in self.units:
@@ -188,6 +201,7 @@ class Runtime:
                 handle.finish_backward()
             unit.training_state = TrainingState.IDLE
         self.reshard_events.clear()
+        self.frozen_runs.clear()
         self.backward_callback_queued = False
         self.iteration_done = True
 

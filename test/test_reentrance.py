@@ -32,9 +32,11 @@ class Reused(nn.Module):
         return self.l2(self.block(self.block(h) + self.block(2 * h)))
 
 
-def _reused_unit_trains_as_ddp(strategy: str, use_orig_params: bool, extra: dict) -> None:
+def _reused_unit_trains_as_ddp(strategy: str, use_orig_params: bool, extra: dict, frozen: bool = False) -> None:
     torch.manual_seed(0)
     net = Reused()
+    if frozen:  # a unit without gradients reshards once the backward of every one of its runs is over
+        net.block.requires_grad_(False)
     reference = DDP(copy.deepcopy(net))
     model = fsdp_legacy.FullyShardedDataParallel(
         net,
@@ -72,6 +74,13 @@ def test_a_unit_run_several_times_per_iteration_trains_as_ddp(
     strategy: str, use_orig_params: bool, extra: dict
 ) -> None:
     run_on_ranks(_reused_unit_trains_as_ddp, 2, strategy, use_orig_params, extra)
+
+
+@pytest.mark.parametrize(
+    "strategy,use_orig_params", [("FULL_SHARD", False), ("FULL_SHARD", True), ("SHARD_GRAD_OP", True)]
+)
+def test_a_frozen_unit_run_several_times_per_iteration_trains_as_ddp(strategy: str, use_orig_params: bool) -> None:
+    run_on_ranks(_reused_unit_trains_as_ddp, 2, strategy, use_orig_params, {}, True)
 
 
 def _errors(model: nn.Module, config: Config) -> dict[str, str]:
