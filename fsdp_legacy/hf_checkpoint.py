@@ -17,8 +17,6 @@ import contextlib
 import json
 import math
 import os
-import re
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,21 +30,23 @@ from .convert.atomic import atomic_directory
 from .flat_param import FlatParameter, ParamInfo
 from .handle import FlatParamHandle
 from .naming import join_fqn
+from .safetensors_io import (
+    BIN_INDEX,
+    BIN_WEIGHTS,
+    BY_NAME,
+    DTYPES,
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    SafetensorsWriter,
+    plan_shards,
+    read_header,
+    shard_names,
+    write_index,
+)
+from .safetensors_io import parse_size as _parse_size
 from .unit import FSDPUnit
 
 __all__ = ["load_full_model", "save_full_model"]
-
-SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
-BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
-_BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
-_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-_WRITE_CHUNK = 32 * 2**20  # elements per write: bounds the buffer of a cast (or device-to-host copy)
 
 
 @dataclass
@@ -164,83 +164,21 @@ def _stream_unit(handle: FlatParamHandle, wanted: dict[ParamInfo, _Entry], sink:
     del buffer
 
 
-def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]+)\s*", size)
-    if match is None or match.group(2).upper() not in _SIZE_UNITS:
-        raise ValueError(f"max_shard_size={size!r}: give an int (bytes) or a string such as '5GB', '500MB' or '2GiB'")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
-
-
 def _plan(entries: list[_Entry], max_size: int, out: Callable[[_Entry], torch.dtype]) -> list[list[_Entry]]:
-    """huggingface_hub's split: in order, a new shard when the next tensor would overflow this one; a tensor larger
-    than max_size gets a shard of its own."""
-    shards: list[list[_Entry]] = []
-    current: list[_Entry] = []
-    size = 0
-    for entry in entries:
-        nbytes = entry.numel * out(entry).itemsize
-        if nbytes > max_size:
-            shards.append([entry])
-            continue
-        if size + nbytes > max_size and current:
-            shards.append(current)
-            current, size = [], 0
-        current.append(entry)
-        size += nbytes
-    if current or not shards:
-        shards.append(current)
-    return shards
+    groups = plan_shards([entry.numel * out(entry).itemsize for entry in entries], max_size)
+    return [[entries[i] for i in group] for group in groups]
 
 
-def _names(shards: list[list[_Entry]], single: str) -> list[str]:
-    if len(shards) == 1:
-        return [single]
-    stem, ext = single.rsplit(".", 1)
-    return [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
-
-
-class _SafetensorsFile:
-    """One safetensors file written out of order: header first, each tensor's bytes at its offset when they come."""
-
+class _SafetensorsFile(SafetensorsWriter):
     def __init__(self, path: str, entries: list[_Entry], out: Callable[[_Entry], torch.dtype]) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        self.offsets: dict[str, int] = {}
-        offset = 0
         for entry in entries:
-            dtype = out(entry)
-            if dtype not in _DTYPES:
-                raise ValueError(f"{entry.key}: safetensors cannot store {dtype}; pass safe_serialization=False")
-            end = offset + entry.numel * dtype.itemsize
-            header[entry.key] = {"dtype": _DTYPES[dtype], "shape": list(entry.shape), "data_offsets": [offset, end]}
-            self.offsets[entry.key] = offset
-            offset = end
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        self.data_start = 8 + len(encoded)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _pwrite(self.fd, struct.pack("<Q", len(encoded)) + encoded, 0)
-        os.ftruncate(self.fd, self.data_start + offset)
-
-    def write(self, entry: _Entry, first: int, piece: torch.Tensor, dtype: torch.dtype) -> None:
-        position = self.data_start + self.offsets[entry.key] + first * dtype.itemsize
-        flat = piece.reshape(-1)
-        for start in range(0, flat.numel(), _WRITE_CHUNK):
-            chunk = flat[start : start + _WRITE_CHUNK].to(device="cpu", dtype=dtype).contiguous()
-            _pwrite(self.fd, chunk.view(torch.uint8).numpy().data, position)
-            position += chunk.numel() * dtype.itemsize
-
-
-def _pwrite(fd: int, data: Any, position: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.pwrite(fd, view, position)
-        view, position = view[written:], position + written
+            if out(entry) not in DTYPES:
+                raise ValueError(f"{entry.key}: safetensors cannot store {out(entry)}; pass safe_serialization=False")
+        super().__init__(path, [(entry.key, entry.shape, out(entry)) for entry in entries])
 
 
 def _write_piece(file: _SafetensorsFile, entry: _Entry, first: int, piece: torch.Tensor, dtype: torch.dtype) -> None:
-    file.write(entry, first, piece, dtype)  # (a module-level seam: the atomicity test makes it fail)
+    file.write(entry.key, first, piece)  # (a module-level seam: the atomicity test makes it fail)
 
 
 @torch.no_grad()
@@ -271,7 +209,7 @@ def save_full_model(
         return dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
 
     shards = _plan(entries, _parse_size(max_shard_size), out)
-    names = _names(shards, SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS)
+    names = shard_names(len(shards), SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS)
     writer = dist.get_rank() == 0
     failure: BaseException | None = None
     try:
@@ -338,7 +276,7 @@ def _write_all(
                 try:
                     for shard, name in zip(shards, names, strict=True):
                         file = _SafetensorsFile(os.path.join(tmp, name), shard, out)
-                        stack.callback(os.close, file.fd)
+                        stack.callback(file.close)
                         files.update((entry.key, file) for entry in shard)
                 except Exception as error:
                     failure = error
@@ -375,15 +313,12 @@ def _write_index(
     tmp: str, shards: list[list[_Entry]], names: list[str], out: Callable[[_Entry], torch.dtype], safe: bool
 ) -> None:
     entries = [entry for shard in shards for entry in shard]
-    index = {
-        "metadata": {
-            "total_parameters": sum(e.numel for e in entries if not _is_buffer(e)),
-            "total_size": sum(e.numel * out(e).itemsize for e in entries),
-        },
-        "weight_map": {entry.key: name for shard, name in zip(shards, names, strict=True) for entry in shard},
+    metadata = {
+        "total_parameters": sum(e.numel for e in entries if not _is_buffer(e)),
+        "total_size": sum(e.numel * out(e).itemsize for e in entries),
     }
-    with open(os.path.join(tmp, SAFE_INDEX if safe else BIN_INDEX), "w") as file:
-        file.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    weight_map = {entry.key: name for shard, name in zip(shards, names, strict=True) for entry in shard}
+    write_index(os.path.join(tmp, SAFE_INDEX if safe else BIN_INDEX), weight_map, metadata)
 
 
 def _is_buffer(entry: _Entry) -> bool:
@@ -414,13 +349,13 @@ class _Source:
         for name in files:
             path = os.path.join(directory, name)
             if self.safe:
-                header, data_start = _read_header(path)
+                header, data_start = read_header(path)
                 fd = os.open(path, os.O_RDONLY)
                 stack.callback(os.close, fd)
                 for key, value in header.items():
                     if key == "__metadata__":
                         continue
-                    shape, dtype = torch.Size(value["shape"]), _BY_NAME.get(value["dtype"], value["dtype"])
+                    shape, dtype = torch.Size(value["shape"]), BY_NAME.get(value["dtype"], value["dtype"])
                     begin, end = value["data_offsets"]
                     if isinstance(dtype, torch.dtype) and end - begin != math.prod(shape) * dtype.itemsize:
                         raise RuntimeError(f"{path} is corrupt: {key}'s data offsets do not match its shape and dtype")
@@ -453,12 +388,6 @@ class _Source:
 
 def _exists(directory: str, name: str) -> bool:
     return os.path.isfile(os.path.join(directory, name))
-
-
-def _read_header(path: str) -> tuple[dict[str, Any], int]:
-    with open(path, "rb") as file:
-        (length,) = struct.unpack("<Q", file.read(8))
-        return json.loads(file.read(length)), 8 + length
 
 
 @torch.no_grad()

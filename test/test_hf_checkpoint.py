@@ -365,3 +365,50 @@ def test_max_shard_size_parsing() -> None:
     assert hf_checkpoint._parse_size(1234) == 1234
     with pytest.raises(ValueError, match="max_shard_size"):
         hf_checkpoint._parse_size("lots")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A pretrained model into a model built on the meta device and hybrid-sharded: no rank ever holds it whole
+
+
+def _meta_hybrid_load_and_save(source: str, target: str) -> None:
+    import models
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    pretrained = models.Transformer()
+    expected = {k: v for k, v in pretrained.state_dict().items() if k not in TIED["transformer"]}
+    if dist.get_rank() == 0:
+        os.makedirs(source)
+        save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(source, "model.safetensors"))
+    dist.barrier()
+    with torch.device("meta"):
+        skeleton = models.Transformer()
+
+    def materialize(module: torch.nn.Module) -> None:
+        module.to_empty(device=torch.device("cpu"), recurse=False)
+        if module is skeleton.head:  # to_empty unties weights: tie them again, as tie_weights() does
+            module.weight = skeleton.tok.weight
+
+    model = FSDP(
+        skeleton,
+        sharding_strategy=fsdp_legacy.ShardingStrategy.HYBRID_SHARD,
+        device_mesh=init_device_mesh("cpu", (2, 2)),  # replicated across dim 0, sharded across dim 1
+        auto_wrap_policy=fsdp_legacy.wrap.ModuleWrapPolicy({models.TransformerBlock}),
+        param_init_fn=materialize,
+    )
+    assert model.process_group.size() == 2 and model._inter_node_pg.size() == 2
+    result = load_full_model(model, source)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    loaded = {k: v for k, v in params_and_buffers(model).items() if k not in TIED["transformer"]}
+    assert_equal(loaded, expected, "loaded into the meta-built hybrid model")
+    save_full_model(model, target)
+    if dist.get_rank() == 0:
+        saved, _ = read_directory(target)
+        assert_equal(saved, expected, "saved from the hybrid model")
+
+
+def test_meta_device_hybrid_shard_load_and_save(tmp_path) -> None:
+    """load_full_model fills a model built on the meta device and HYBRID_SHARDed over a 2 x 2 mesh (each rank reads
+    only its shard's slices), and save_full_model writes back exactly the pretrained weights."""
+    run_on_ranks(_meta_hybrid_load_and_save, 4, str(tmp_path / "pretrained"), str(tmp_path / "resaved"))

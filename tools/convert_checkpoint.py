@@ -3,17 +3,36 @@
     python tools/convert_checkpoint.py ckpt/local ckpt/fsdp2 --to dcp                   # LOCAL (flat) -> FSDP2's DCP
     python tools/convert_checkpoint.py ckpt/fsdp2 ckpt/model.pt --to full               # -> one torch.save file
     python tools/convert_checkpoint.py ckpt/model.pt ckpt/local8 --to local --world-size 8   # -> LOCAL for 8 ranks
+    python tools/convert_checkpoint.py out/checkpoint-100 hf/ --to safetensors --dtype bfloat16   # Accelerate -> HF
+    python tools/convert_checkpoint.py global_step_50/actor ckpt/fsdp2 --to dcp         # verl's per-rank files
 
-Formats (the source's is detected):
-  local  a DCP directory of {"model": LOCAL_STATE_DICT, "optim": FSDP.optim_state_dict(...)} saved by fsdp_legacy
-         (its flat parameters carry layout records), at any world size; or (as a source) one torch.save file of the
-         LOCAL model state dict per rank, by torch's FSDP1 or fsdp_legacy: their directory or a quoted glob pattern
-  dcp    a DCP directory with every parameter under its FQN, as FSDP2 (fully_shard) saves and loads it
-  full   one torch.save file {"model": {fqn: tensor}, "optim": {"state": ..., "param_groups": ...}}
+Target formats (--to):
+  local        a DCP directory of {"model": LOCAL_STATE_DICT, "optim": FSDP.optim_state_dict(...)} as fsdp_legacy
+               saves it (its flat parameters carry layout records), for any world size
+  dcp          a DCP directory with every parameter under its FQN, as FSDP2 (fully_shard) saves and loads it
+  full         one torch.save file {"model": {fqn: tensor}, "optim": {"state": ..., "param_groups": ...}}
+  safetensors  Hugging Face's layout of the model weights (model.safetensors, or model-0000i-of-0000N.safetensors and
+               model.safetensors.index.json), --dtype casting floating tensors, files of at most --max-shard-size;
+               the optimizer state is not carried (safetensors holds weights only)
+
+Sources (--from, detected by default): the formats above (a LOCAL one also as per-rank torch.save files of the
+LOCAL model state dict: their directory or a quoted glob pattern), and the layouts FSDP1 users have:
+  accelerate   the directory Accelerator.save_state writes with the FSDP plugin: pytorch_model_fsdp.bin and
+               optimizer.bin (FULL_STATE_DICT), pytorch_model_fsdp_0/ and optimizer_0/ (SHARDED_STATE_DICT, DCP),
+               pytorch_model_fsdp_rank{r}.bin (LOCAL_STATE_DICT, which needs --layout-from when torch saved it)
+  lightning    Lightning's FSDPStrategy checkpoint: the sharded DCP directory with meta.pt, or the full file (Fabric
+               or Trainer)
+  verl         verl's per-rank files, model_world_size_{W}_rank_{r}.pt (ShardedTensors of torch's FSDP1, or FSDP2's
+               DTensors) and optim_world_size_{W}_rank_{r}.pt (their directory, or a quoted glob); the optimizer
+               state of torch FSDP1 without use_orig_params needs --layout-from
+  safetensors  a directory in Hugging Face's layout
+The optimizer state comes along wherever the source has it (--model-only leaves it out); --strip-prefix takes a
+prefix off the names that have it (the Trainer's are the LightningModule's: 'model.' in front of a HF model's names).
 
 Tensors are converted one at a time, the destination is replaced atomically, and what was written is read back and
-compared with the source bit for bit. Every file is loaded with weights_only=True, but per-rank LOCAL files, whose
-ShardedTensors are unpickled with an allowlist of torch's tensor classes (no code from the file runs).
+compared with what was meant to be written bit for bit. Every file is loaded with weights_only=True, but per-rank
+files holding ShardedTensors or DTensors, which are unpickled with an allowlist of torch's tensor classes (no code
+from the file runs).
 """
 
 from __future__ import annotations
@@ -24,18 +43,46 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import fsdp_legacy from the checkout
-from fsdp_legacy.convert import FORMATS, CheckpointError, convert_checkpoint
+import torch
+
+from fsdp_legacy.convert import FORMATS, SOURCE_LAYOUTS, CheckpointError, convert_checkpoint
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "source",
-        help="checkpoint to convert: a DCP directory, a torch.save file, or per-rank "
-        "LOCAL torch.save files (their directory or a glob pattern)",
+        help="checkpoint to convert: a DCP directory, a torch.save file, per-rank torch.save files (their directory "
+        "or a glob pattern), or a directory Accelerate, Lightning or verl wrote",
     )
     p.add_argument("destination", help="where to write the converted checkpoint")
     p.add_argument("--to", required=True, choices=FORMATS, help="target format")
+    p.add_argument(
+        "--from",
+        dest="source_layout",
+        default="auto",
+        choices=("auto", *SOURCE_LAYOUTS),
+        help="the source's layout (default: detected from its file names)",
+    )
+    p.add_argument(
+        "--dtype",
+        type=_dtype,
+        help="--to safetensors: cast floating-point tensors to this dtype (bfloat16, float16, float32, ...)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        type=lambda size: int(size) if size.isdigit() else size,
+        help="--to safetensors: the largest file, in bytes or as '5GB', '500MB', '2GiB' (default 5GB)",
+    )
+    p.add_argument("--model-only", action="store_true", help="leave the optimizer state out")
+    p.add_argument(
+        "--strip-prefix",
+        help="take this prefix off the parameter names that start with it (a LightningModule's attribute, e.g. "
+        "'model.', before a Hugging Face model's names)",
+    )
     p.add_argument(
         "--world-size",
         type=int,
@@ -45,12 +92,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--layout-from",
         help="a checkpoint carrying the flat-parameter layout (one saved by fsdp_legacy "
         "under LOCAL_STATE_DICT, or converted from one): needed for --to local from "
-        "a checkpoint without it, and to read torch FSDP1's LOCAL checkpoints",
+        "a checkpoint without it, to read torch FSDP1's LOCAL checkpoints, and verl's FSDP1 optimizer state",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     p.add_argument("--no-verify", action="store_true", help="skip reading the output back")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p.parse_args(argv)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = _DTYPES.get(name, getattr(torch, name, None))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a floating-point dtype (bfloat16, float16, float32, ...)")
+    return dtype
 
 
 class Progress:
@@ -105,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             layout_from=args.layout_from,
             verify=not args.no_verify,
             progress=progress,
+            source_layout=args.source_layout,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            model_only=args.model_only,
+            strip_prefix=args.strip_prefix,
         )
     except CheckpointError as error:
         progress.close()

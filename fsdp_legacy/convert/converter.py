@@ -1,17 +1,18 @@
-"""Offline conversion between the three checkpoint formats, on the CPU, without a process group or the model's code:
+"""Offline conversion between checkpoint formats, on the CPU, without a process group or the model's code:
 
 * "local": a DCP directory of {"model": LOCAL_STATE_DICT, "optim": optim_state_dict} (flat parameters with their
   layout records), one chunk per rank of the world size it is laid out for; read also from per-rank torch.save
   files of a LOCAL model state dict (rank_files.py);
 * "dcp": a DCP directory in FSDP2's layout, every original parameter under its FQN (fully_shard models load it
   with dcp.load at any world size);
-* "full": one torch.save file {"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]}}.
+* "full": one torch.save file {"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]}};
+* "safetensors": Hugging Face's layout of the model weights (safetensors_files.py), optionally cast; no optimizer.
 
-The optimizer state is keyed by FQN in all three, so it is copied as it is. Tensors stream one at a time, and what
-was written is read back and compared with the source bit for bit.
+Sources are also read in the layouts the frameworks write (sources.py: Accelerate, Lightning, verl, safetensors).
+The optimizer state is keyed by FQN in all of them, so it is copied as it is. Tensors stream one at a time, and what
+was written is read back and compared with what was meant to be written, bit for bit.
 """
 
-import glob
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -20,14 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import Checkpoint, Path, TensorMeta, dotted
-from .dcp_files import DcpCheckpoint, is_dcp, write_dcp
+from .dcp_files import DcpCheckpoint, write_dcp
 from .errors import CheckpointError
 from .flat import Flattened, Unflattened, is_local, records_in
-from .rank_files import RankFiles, rank_files_in
 from .record import FlatParamRecord
-from .torch_file import TorchFile, write_torch_file
+from .safetensors_files import ModelWeights, write_safetensors
+from .sources import SOURCE_LAYOUTS, open_source
+from .torch_file import write_torch_file
+from .views import Prefixless
 
-FORMATS = ("local", "dcp", "full")
+FORMATS = ("local", "dcp", "full", "safetensors")
 
 # progress(phase, bytes done, bytes in total, key of the tensor just done); phases: "write", "verify"
 Progress = Callable[[str, int, int, str], None]
@@ -43,37 +46,21 @@ class ConversionReport:
     bytes: int  # their size
     verified: int  # tensors read back and found equal to the source (0 without verification)
     seconds: float
+    notes: tuple[str, ...] = ()  # what of the source was not carried over, and why
 
     def summary(self) -> str:
         check = f", verified {self.verified} tensors bit for bit" if self.verified else ", not verified"
         return (
             f"{self.source} ({self.source_format}) -> {self.destination} ({self.target_format}): "
             f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB{check}, {self.seconds:.1f} s"
-        )
+        ) + "".join(f"\n  note: {note}" for note in self.notes)
 
 
-def open_checkpoint(path: str | Sequence[str]) -> Checkpoint:
-    """A DCP directory, a torch.save file, or the per-rank torch.save files of a LOCAL state dict (a directory of
-    them, a glob pattern, or a list of paths), as it is stored."""
-    if not isinstance(path, str):
-        files = list(path)
-        return RankFiles(files, os.path.commonpath([os.path.abspath(f) for f in files]) if files else "[]")
-    if is_dcp(path):
-        return DcpCheckpoint(path)
-    files = rank_files_in(path)
-    if files:
-        return RankFiles(files, path)
-    if os.path.isfile(path):
-        return TorchFile(path)
-    if os.path.isdir(path):
-        raise CheckpointError(
-            f"{path} is a directory without a DCP .metadata file or per-rank torch.save files of a "
-            "LOCAL state dict: the save did not finish, or this is not a checkpoint. Pass a DCP "
-            "checkpoint directory, a torch.save file, or the directory of every rank's file."
-        )
-    if glob.has_magic(path):
-        raise CheckpointError(f"{path} matches no files: pass a pattern that matches every rank's file.")
-    raise CheckpointError(f"{path} does not exist.")
+def open_checkpoint(path: str | Sequence[str], layout: str | None = None) -> Checkpoint:
+    """A checkpoint as it is stored: a DCP directory, a torch.save file, the per-rank torch.save files of a LOCAL
+    state dict (a directory of them, a glob pattern, or a list of paths), or one of the layouts of sources.py; the
+    layout is detected unless given (one of sources.SOURCE_LAYOUTS)."""
+    return open_source(path, layout)[0]
 
 
 def format_of(checkpoint: Checkpoint) -> str:
@@ -90,27 +77,60 @@ def convert_checkpoint(
     layout_from: str | None = None,
     verify: bool = True,
     progress: Progress | None = None,
+    source_layout: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    model_only: bool = False,
+    strip_prefix: str | None = None,
 ) -> ConversionReport:
-    """Convert the checkpoint at `source` (any of the three formats, detected; a LOCAL one also as per-rank
-    torch.save files: their directory, a glob pattern or a list) to format `to` at `destination`, atomically.
-    `to="local"` lays the flat parameters out for `world_size` (default: the world size of the layout),
-    with the layout carried by the source or read from `layout_from` (a checkpoint of the same model and wrapping,
-    also what reads LOCAL checkpoints saved without layout records, by torch's FSDP1)."""
+    """Convert the checkpoint at `source` to format `to` at `destination`, atomically. The source is any of the
+    formats, or a layout the frameworks write (`source_layout`, one of sources.SOURCE_LAYOUTS; detected when None):
+    a LOCAL one also as per-rank torch.save files (their directory, a glob pattern or a list), Accelerate's
+    save_state directory, Lightning's FSDP checkpoint, verl's per-rank files, a safetensors directory.
+    `to="local"` lays the flat parameters out for `world_size` (default: the world size of the layout), with the layout
+    carried by the source or read from `layout_from` (a checkpoint of the same model and wrapping, also what reads
+    LOCAL checkpoints saved without layout records, by torch's FSDP1, and verl's FSDP1 flat optimizer state).
+    `to="safetensors"` writes the model weights in Hugging Face's layout (files of at most `max_shard_size`, floating
+    tensors cast to `dtype`); the optimizer state is not carried there. `model_only` leaves the optimizer out;
+    `strip_prefix` takes a prefix off the parameter names that have it (not with to="local")."""
     if to not in FORMATS:
         raise CheckpointError(f"Unknown target format {to!r}: choose one of {', '.join(FORMATS)}.")
+    if source_layout not in (None, "auto", *SOURCE_LAYOUTS):
+        raise CheckpointError(
+            f"Unknown source layout {source_layout!r}: choose one of auto, {', '.join(SOURCE_LAYOUTS)}."
+        )
     if world_size is not None and (to != "local" or world_size < 1):
         raise CheckpointError("world_size applies to --to local only, and must be at least 1.")
+    if (dtype is not None or max_shard_size != "5GB") and to != "safetensors":
+        raise CheckpointError("dtype and max_shard_size apply to --to safetensors only.")
+    if strip_prefix is not None and (to == "local" or not strip_prefix):
+        raise CheckpointError("strip_prefix must be a non-empty prefix, and does not apply to --to local.")
+    if dtype is not None and not dtype.is_floating_point:
+        raise CheckpointError(f"dtype={dtype}: only floating tensors are cast, to a floating dtype.")
     if isinstance(source, str) and os.path.abspath(source) == os.path.abspath(destination):
         raise CheckpointError(f"{destination} is the source: write the conversion to another path.")
     start = time.perf_counter()
     progress = progress or (lambda *_: None)
     layout = _records_of(layout_from) if layout_from is not None else {}
-    with open_checkpoint(source) as stored:
-        source_format = format_of(stored)
-        view = Unflattened(stored, layout) if is_local(stored) else stored  # by FQN, as the other formats are
+    stored, source_format = open_source(source, source_layout, layout, optimizer=not model_only)
+    with stored:
+        if source_format in ("dcp", "full"):
+            source_format = format_of(stored)
+        elif source_format == "local" and not is_local(stored):  # per-rank files of a SHARDED (or FSDP2) state dict
+            source_format = "sharded per-rank files"
+        view: Checkpoint = Unflattened(stored, layout) if is_local(stored) else stored  # by FQN, as the others are
+        notes: tuple[str, ...] = ()
+        if to == "safetensors" and not model_only and any(path[0] == "optim" for path in view.leaves):
+            notes = ("the optimizer state was not carried over: safetensors holds model weights only",)
+        if model_only or to == "safetensors":
+            view = _without_optimizer(view)
+        if strip_prefix is not None:
+            view = Prefixless(view, strip_prefix)
         _check_optimizer(view)
         target, chunks = view, {}
-        if to == "local":
+        if to == "safetensors":
+            target = ModelWeights(view, dtype)
+        elif to == "local":
             target = Flattened(view, _target_layout(view, layout, world_size))
             chunks = {path: pieces for path, _ in target.tensors() if (pieces := target.chunks(path)) is not None}
         total = sum(leaf.nbytes for _, leaf in target.tensors())
@@ -123,12 +143,15 @@ def convert_checkpoint(
 
         if to == "full":
             write_torch_file(target, destination, on_tensor)
+        elif to == "safetensors":
+            write_safetensors(target, destination, max_shard_size, on_tensor)
         else:
             write_dcp(target, destination, chunks, on_tensor)
-        verified = verify_conversion(target, destination, progress) if verify else 0
+        written_as = {"full": "full", "safetensors": "safetensors"}.get(to, "dcp")
+        verified = verify_conversion(target, destination, progress, written_as) if verify else 0
         tensors = sum(1 for _ in target.tensors())
     return ConversionReport(
-        stored.location, destination, source_format, to, tensors, total, verified, time.perf_counter() - start
+        stored.location, destination, source_format, to, tensors, total, verified, time.perf_counter() - start, notes
     )
 
 
@@ -154,6 +177,27 @@ def _target_layout(view: Checkpoint, layout: dict, world_size: int | None) -> li
     return [r.at_world_size(world_size) if world_size else r for r in records.values()]
 
 
+class _Selected(Checkpoint):
+    """The leaves of a checkpoint but its optimizer state."""
+
+    def __init__(self, source: Checkpoint) -> None:
+        self.location, self._source = source.location, source
+        self.leaves = {path: leaf for path, leaf in source.leaves.items() if path[0] != "optim"}
+
+    def read(self, path: Path) -> torch.Tensor:
+        return self._source.read(path)
+
+    def read_flat(self, path: Path, start: int, stop: int) -> torch.Tensor:
+        return self._source.read_flat(path, start, stop)
+
+    def chunks(self, path: Path) -> list | None:
+        return self._source.chunks(path)
+
+
+def _without_optimizer(view: Checkpoint) -> Checkpoint:
+    return _Selected(view) if any(path[0] == "optim" for path in view.leaves) else view
+
+
 def _check_optimizer(view: Checkpoint) -> None:
     """Optimizer state keyed by anything but the model's FQNs (parameter ids, another model) would convert into a
     checkpoint no model loads."""
@@ -169,11 +213,14 @@ def _check_optimizer(view: Checkpoint) -> None:
             )
 
 
-def verify_conversion(expected: Checkpoint, destination: str, progress: Progress | None = None) -> int:
-    """Read `destination` back and compare every leaf with `expected` (what was meant to be written), tensors bit for
-    bit; returns the number of tensors compared."""
+def verify_conversion(
+    expected: Checkpoint, destination: str, progress: Progress | None = None, layout: str | None = None
+) -> int:
+    """Read `destination` back (as `layout`, one of sources.SOURCE_LAYOUTS; detected when None) and compare every
+    leaf with `expected` (what was meant to be written), tensors bit for bit; returns the number of tensors
+    compared."""
     progress = progress or (lambda *_: None)
-    with open_checkpoint(destination) as written:
+    with open_checkpoint(destination, layout) as written:
         if expected.leaves.keys() != written.leaves.keys():
             missing = sorted(dotted(p) for p in expected.leaves.keys() - written.leaves.keys())
             extra = sorted(dotted(p) for p in written.leaves.keys() - expected.leaves.keys())

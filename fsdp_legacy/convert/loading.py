@@ -1,7 +1,8 @@
 """Every unpickling the converter does: torch.load with weights_only=True (safe_load), and restricted unpicklers
-that allow an explicit list of globals (DCP's `.metadata`, and per-rank torch.save files of LOCAL state dicts, whose
-ShardedTensors weights_only refuses). Errors name the file and say what to do."""
+that allow an explicit list of globals (DCP's `.metadata`, and per-rank torch.save files holding ShardedTensors or
+DTensors, which weights_only refuses). Errors name the file and say what to do."""
 
+import math
 import os
 import pickle
 import types
@@ -76,8 +77,8 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 @dataclass(frozen=True)
 class LocalShards:
-    """What one rank's file holds of a ShardedTensor: its local pieces (dim-0 offsets, tensor), the global shape and
-    dtype, and the saving rank (global) and world size."""
+    """What one rank's file holds of a ShardedTensor or a DTensor: its local pieces (global offsets, tensor), the
+    global shape and dtype, and the saving rank (global) and world size."""
 
     pieces: tuple[tuple[tuple[int, ...], torch.Tensor], ...]
     shape: torch.Size
@@ -87,10 +88,19 @@ class LocalShards:
 
 
 class _Inert:
-    """Stand-in for a class of a ShardedTensor's state: stores its arguments and pickled state, runs nothing."""
+    """Stand-in for a class of a ShardedTensor's or DTensor's state: stores its arguments and pickled state, runs
+    nothing. (Built by REDUCE, cls(*args), or by NEWOBJ, cls.__new__(cls, *args), which skips __init__.)"""
+
+    args: tuple
+    state: Any
+
+    def __new__(cls, *args: Any) -> "_Inert":
+        self = super().__new__(cls)
+        self.args, self.state = args, None
+        return self
 
     def __init__(self, *args: Any) -> None:
-        self.args, self.state = args, None
+        self.args = args
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -102,6 +112,12 @@ class _Inert:
         if not isinstance(state, dict) or name not in state:
             raise pickle.UnpicklingError(f"a {type(self).__name__} without {name}")
         return state[name]
+
+    def get(self, name: str) -> Any:
+        try:
+            return self.field(name)
+        except pickle.UnpicklingError:
+            return None
 
 
 def _inert(name: str) -> type[_Inert]:
@@ -122,7 +138,10 @@ def _getattr(owner: Any, name: str) -> Any:
 
 
 def _rebuild_sharded(func: Any, new_type: Any, args: Any, state: Any) -> LocalShards:
-    """torch._tensor._rebuild_from_type_v2 for a ShardedTensor, without building one (func is never called)."""
+    """torch._tensor._rebuild_from_type_v2 for a ShardedTensor or a DTensor, without building one (func is never
+    called)."""
+    if new_type is _DTensor:
+        return _rebuild_dtensor(args, state)
     if new_type is not _ShardedTensor:
         raise Refused(f"torch._tensor._rebuild_from_type_v2 of {getattr(new_type, '__name__', new_type)!r}")
     if not isinstance(state, tuple) or len(state) != 5:
@@ -161,11 +180,74 @@ def _rebuild_sharded(func: Any, new_type: Any, args: Any, state: Any) -> LocalSh
     )
 
 
+# A DTensor pickles as _rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, size, ...), state)
+# with state (None, {"_local_tensor": tensor, "_spec": DTensorSpec}); the spec holds the DeviceMesh (its attributes:
+# the saving rank, its coordinate on each mesh dimension, the mesh's shape), the placements (Shard(dim) / Replicate
+# per mesh dimension) and the global TensorMeta. The local tensor's place in the global one follows from those, as
+# torch computes it: each Shard splits the extent left by the mesh dimensions before it into torch.chunk pieces.
+_DTensor, _DTensorSpec, _DeviceMesh = _inert("DTensor"), _inert("DTensorSpec"), _inert("DeviceMesh")
+_Shard1D, _Replicate = _inert("Shard"), _inert("Replicate")
+_DTensorMeta = _inert("TensorMeta")
+
+
+def _rebuild_dtensor(args: Any, state: Any) -> LocalShards:
+    if isinstance(state, tuple) and len(state) == 2:
+        state = {**(state[0] or {}), **(state[1] or {})}
+    if not isinstance(state, dict) or not isinstance(state.get("_spec"), _DTensorSpec):
+        raise pickle.UnpicklingError("a DTensor without its local tensor and spec")
+    local, spec = state.get("_local_tensor"), state["_spec"]
+    if not isinstance(local, torch.Tensor) or type(local) not in (torch.Tensor, torch.nn.Parameter):
+        raise pickle.UnpicklingError("a DTensor whose local tensor is not a plain tensor")
+    meta = spec.get("tensor_meta")
+    shape, dtype = (meta.args[0], meta.args[2]) if isinstance(meta, _DTensorMeta) and len(meta.args) == 3 else args[1:3]
+    mesh, placements = spec.field("mesh"), spec.field("placements")
+    if not isinstance(mesh, _DeviceMesh) or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError("a DTensor with a malformed spec")
+    sizes, coordinate, rank = _mesh_place(mesh)
+    if len(placements) != len(sizes) or len(coordinate) != len(sizes):
+        raise pickle.UnpicklingError("a DTensor whose placements do not match its mesh")
+    offsets, extents = [0] * len(shape), list(shape)
+    for placement, size, index in zip(placements, sizes, coordinate, strict=True):
+        if isinstance(placement, _Replicate):
+            continue
+        if not isinstance(placement, _Shard1D):  # _StridedShard (FSDP2 with TP), Partial: no plain chunk of a tensor
+            raise Refused(f"a DTensor placement {type(placement).__name__}, which the converter does not read")
+        dim = int(placement.field("dim")) % max(len(shape), 1)
+        chunk = -(-extents[dim] // size)
+        start = min(index * chunk, extents[dim])
+        offsets[dim] += start
+        extents[dim] = max(0, min(chunk, extents[dim] - start))
+    if tuple(extents) != tuple(local.shape):
+        raise pickle.UnpicklingError(
+            f"a DTensor whose local tensor {tuple(local.shape)} is not its chunk {tuple(extents)} of {tuple(shape)} "
+            "(uneven or strided sharding the converter does not read)"
+        )
+    pieces = ((tuple(offsets), local.detach()),) if local.numel() else ()
+    return LocalShards(pieces, torch.Size(shape), dtype, rank, math.prod(sizes))
+
+
+def _mesh_place(mesh: _Inert) -> tuple[list[int], list[int], int]:
+    """The mesh's shape, the saving rank's coordinate on it, and that rank, from a pickled DeviceMesh's attributes
+    (torch >= 2.10 keeps the shape in `_layout`, earlier versions a `mesh` tensor of ranks)."""
+    rank, coordinate = mesh.get("_rank"), mesh.get("_coordinate_on_dim")
+    if mesh.get("mesh") is not None:
+        sizes = list(mesh.field("mesh").shape)
+    elif isinstance(mesh.get("_layout"), _Inert):
+        axes = mesh.field("_layout").field("axes")  # one _FlatLayout per mesh dimension
+        sizes = [math.prod(axis.field("shape")) if isinstance(axis, _Inert) else 0 for axis in axes]
+    else:
+        raise pickle.UnpicklingError("a DeviceMesh without its shape")
+    if not isinstance(rank, int) or coordinate is None or not all(sizes):
+        raise pickle.UnpicklingError("a DeviceMesh without the saving rank's place (saved by a rank outside it?)")
+    return sizes, [int(c) for c in coordinate], rank
+
+
 def _never_called(*_: Any) -> None:
     raise Refused("torch._utils._rebuild_wrapper_subclass outside a ShardedTensor")
 
 
 _SHARD = "torch.distributed._shard"
+_DT = "torch.distributed.tensor"
 
 
 class _RankFileUnpickler(RestrictedUnpickler):
@@ -188,6 +270,28 @@ class _RankFileUnpickler(RestrictedUnpickler):
         (f"{_SHARD}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): _inert("MEM_FORMAT_ENCODING"),
         (f"{_SHARD}.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"): _inert("ChunkShardingSpec"),
         ("torch.distributed.remote_device", "_remote_device"): _inert("_remote_device"),
+        # DTensor (FSDP2): today's module names, and torch.distributed._tensor's before 2.5
+        **{(module, "DTensor"): _DTensor for module in (_DT, f"{_DT}._api", "torch.distributed._tensor.api")},
+        **{
+            (module, name): stand_in
+            for module in (f"{_DT}._dtensor_spec", "torch.distributed._tensor.placement_types")
+            for name, stand_in in (("DTensorSpec", _DTensorSpec), ("TensorMeta", _DTensorMeta))
+        },
+        **{
+            (module, name): stand_in
+            for module in (f"{_DT}.placement_types", "torch.distributed._tensor.placement_types")
+            for name, stand_in in (
+                ("Shard", _Shard1D),
+                ("Replicate", _Replicate),
+                ("_StridedShard", _inert("_StridedShard")),
+                ("Partial", _inert("Partial")),
+                ("_Partial", _inert("Partial")),
+            )
+        },
+        (f"{_DT}._dtensor_spec", "ShardOrderEntry"): _inert("ShardOrderEntry"),
+        ("torch.distributed.device_mesh", "DeviceMesh"): _DeviceMesh,
+        ("torch.distributed._mesh_layout", "_MeshLayout"): _inert("_MeshLayout"),
+        ("torch.distributed._mesh_layout", "_FlatLayout"): _inert("_FlatLayout"),
     }
 
 
@@ -204,19 +308,20 @@ _RANK_FILE_PICKLE = _restricted_module(_RankFileUnpickler)
 
 
 def load_rank_file(path: str) -> Any:
-    """One rank's torch.save file of a LOCAL state dict, memory-mapped, each ShardedTensor as LocalShards.
+    """One rank's torch.save file of a state dict, memory-mapped, each ShardedTensor or DTensor as LocalShards.
 
     This is the one torch.load without weights_only=True, and still safe: weights_only's unpickler cannot be given
     more globals for one call, so the pickle module passed here is a restricted one whose find_class resolves only an
     explicit allowlist (torch's tensor rebuild functions, torch.Size/device, dtypes, OrderedDict; torch itself maps
-    storages to dtype holders) and maps ShardedTensor, its rebuild and its state classes to inert stand-ins
-    (no ShardedTensor.__setstate__, no process group). Any other global is refused before it is imported.
+    storages to dtype holders) and maps ShardedTensor and DTensor, their rebuild and their state classes (metadata,
+    placements, DeviceMesh) to inert stand-ins (no __setstate__ of theirs, no process group). Any other global is
+    refused before it is imported.
     """
     if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):  # torch's values
         raise CheckpointError(
-            f"{path} is a per-rank LOCAL state dict file, which holds ShardedTensors and is read with a restricted "
-            "pickle module, but TORCH_FORCE_WEIGHTS_ONLY_LOAD is set and makes torch refuse any pickle module: unset "
-            "it for this conversion (the restricted loader still runs no code from the file)."
+            f"{path} is a per-rank state dict file, which holds ShardedTensors or DTensors and is read with a "
+            "restricted pickle module, but TORCH_FORCE_WEIGHTS_ONLY_LOAD is set and makes torch refuse any pickle "
+            "module: unset it for this conversion (the restricted loader still runs no code from the file)."
         )
     try:
         return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_RANK_FILE_PICKLE, mmap=True)
@@ -224,7 +329,7 @@ def load_rank_file(path: str) -> Any:
         raise CheckpointError(
             f"{path} names {refused}, which a per-rank LOCAL state dict file never holds: refused: this loader never "
             "runs code from a checkpoint. Use a checkpoint from a trusted source, saved with torch.save(model."
-            "state_dict()) under LOCAL_STATE_DICT."
+            "state_dict()) under LOCAL_STATE_DICT or SHARDED_STATE_DICT (or of a fully_shard model)."
         ) from None
     except (
         pickle.UnpicklingError,

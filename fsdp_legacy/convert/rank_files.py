@@ -8,6 +8,9 @@ unpickler: no ShardedTensor.__setstate__, no process group, no code from the fil
 come from the ShardedTensors' pickled process-group state, never from its name; every rank 0..W-1 must be there
 once. The flat parameters are assembled from every rank's pieces (stored as chunks, as DCP stores them); every other
 leaf (buffers, layout records, use_orig_params' per-rank views) is rank 0's.
+
+The same reads per-rank files of a SHARDED_STATE_DICT (a ShardedTensor per parameter) and of a fully_shard model's
+state dict (a DTensor per parameter, whose rank and mesh are pickled with it), as verl and Accelerate save them.
 """
 
 import glob
@@ -25,11 +28,15 @@ from .loading import LocalShards, load_rank_file
 
 
 def is_rank_file(path: str) -> bool:
-    """Whether `path` is a torch.save archive whose pickle names ShardedTensor (read as bytes, nothing unpickled)."""
+    """Whether `path` is a torch.save archive whose pickle names ShardedTensor or DTensor (read as bytes, nothing
+    unpickled)."""
     try:
         with zipfile.ZipFile(path) as archive:
             pickles = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
-            return len(pickles) == 1 and b"ShardedTensor" in archive.read(pickles[0])
+            if len(pickles) != 1:
+                return False
+            data = archive.read(pickles[0])
+            return b"ShardedTensor" in data or b"DTensor" in data
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         return False
 
@@ -92,16 +99,22 @@ class RankFiles(Checkpoint):
                     f"{file} (rank {rank}) and {first_file} (rank 0) do not hold the same keys "
                     f"({different}): they are not from one save. Pass the files of one save."
                 )
+        self.world_size = world_size
         self.leaves, self._plain, self._pieces = {}, {}, {}
+        # The sharded tensors in the order saved, each once: a tied parameter, saved under two keys, has the same
+        # local pieces (the same storage) under both, on every rank.
+        distinct: dict[Any, Path] = {}
         for path, leaf in first.items():
             if isinstance(leaf, LocalShards):
-                self._pieces[path] = self._assemble(path, [(by_rank[r][0], by_rank[r][1][path]) for r in by_rank])
+                distinct.setdefault(_identity(path, [by_rank[r][1][path] for r in by_rank]), path)
+                self._pieces[path] = assemble(path, [(by_rank[r][0], by_rank[r][1][path]) for r in by_rank], location)
                 self.leaves[path] = TensorMeta(leaf.shape, leaf.dtype)
             elif isinstance(leaf, torch.Tensor):
                 self._plain[path] = leaf
                 self.leaves[path] = TensorMeta.of(leaf)
             else:
                 self.leaves[path] = leaf
+        self.sharded: list[Path] = list(distinct.values())
 
     def _open(self, file: str) -> tuple[dict[Path, Any], int, int]:
         if not os.path.isfile(file):
@@ -136,37 +149,6 @@ class RankFiles(Checkpoint):
             raise CheckpointError(f"{file} says it was saved by rank {rank} of {world_size}: the file is damaged.")
         return leaves, rank, world_size
 
-    def _assemble(self, path: Path, saved: list[tuple[str, LocalShards]]) -> list[tuple[Chunk, torch.Tensor]]:
-        """Every rank's pieces of a ShardedTensor: the same global shape and dtype everywhere, together covering
-        it once (a piece saved by several ranks, as replicas do, counts once)."""
-        _, first = saved[0]
-        pieces: dict[Chunk, torch.Tensor] = {}
-        for file, shards in saved:
-            if (shards.shape, shards.dtype) != (first.shape, first.dtype):
-                raise CheckpointError(
-                    f"{dotted(path)} in {file} is a {tuple(shards.shape)} {shards.dtype} tensor but "
-                    f"{tuple(first.shape)} {first.dtype} in {saved[0][0]}: the files are not from one save."
-                )
-            for offsets, tensor in shards.pieces:
-                if tensor.numel() == 0:
-                    continue  # a rank with nothing of it (torch saves none; DCP records none)
-                if len(offsets) != len(first.shape) or any(
-                    o < 0 or o + s > n for o, s, n in zip(offsets, tensor.shape, first.shape, strict=False)
-                ):
-                    raise CheckpointError(
-                        f"{dotted(path)} in {file}: a piece at {offsets} of shape "
-                        f"{tuple(tensor.shape)} lies outside its {tuple(first.shape)} tensor: the "
-                        "file is damaged."
-                    )
-                pieces.setdefault((offsets, tuple(tensor.shape)), tensor)
-        covered = sum(torch.Size(sizes).numel() for _, sizes in pieces)
-        if covered != first.shape.numel():
-            raise CheckpointError(
-                f"{dotted(path)} in {self.location}: the ranks' pieces cover {covered} of its "
-                f"{first.shape.numel()} elements: the files are not from one save, or damaged."
-            )
-        return sorted(pieces.items())
-
     def read(self, path: Path) -> torch.Tensor:
         if path in self._plain:
             return self._plain[path]
@@ -188,3 +170,46 @@ class RankFiles(Checkpoint):
 
     def chunks(self, path: Path) -> list[Chunk] | None:
         return [chunk for chunk, _ in self._pieces[path]] if path in self._pieces else None
+
+
+def assemble(path: Path, saved: list[tuple[str, LocalShards]], location: str) -> list[tuple[Chunk, torch.Tensor]]:
+    """Every rank's pieces of a ShardedTensor or DTensor: the same global shape and dtype everywhere, together
+    covering it once (a piece saved by several ranks, as replicas do, counts once)."""
+    _, first = saved[0]
+    pieces: dict[Chunk, torch.Tensor] = {}
+    for file, shards in saved:
+        if (shards.shape, shards.dtype) != (first.shape, first.dtype):
+            raise CheckpointError(
+                f"{dotted(path)} in {file} is a {tuple(shards.shape)} {shards.dtype} tensor but "
+                f"{tuple(first.shape)} {first.dtype} in {saved[0][0]}: the files are not from one save."
+            )
+        for offsets, tensor in shards.pieces:
+            if tensor.numel() == 0:
+                continue  # a rank with nothing of it (torch saves none; DCP records none)
+            if len(offsets) != len(first.shape) or any(
+                o < 0 or o + s > n for o, s, n in zip(offsets, tensor.shape, first.shape, strict=False)
+            ):
+                raise CheckpointError(
+                    f"{dotted(path)} in {file}: a piece at {offsets} of shape "
+                    f"{tuple(tensor.shape)} lies outside its {tuple(first.shape)} tensor: the "
+                    "file is damaged."
+                )
+            pieces.setdefault((offsets, tuple(tensor.shape)), tensor)
+    covered = sum(torch.Size(sizes).numel() for _, sizes in pieces)
+    if covered != first.shape.numel():
+        raise CheckpointError(
+            f"{dotted(path)} in {location}: the ranks' pieces cover {covered} of its "
+            f"{first.shape.numel()} elements: the files are not from one save, or damaged."
+        )
+    return sorted(pieces.items())
+
+
+def _identity(path: Path, saved: list[LocalShards]) -> Any:
+    """What tells a tensor saved under several keys apart from another: its pieces' storages and places."""
+    places = tuple(
+        (offsets, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        for shards in saved
+        for offsets, t in shards.pieces
+        if t.numel()
+    )
+    return places or path

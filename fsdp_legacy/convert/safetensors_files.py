@@ -1,0 +1,179 @@
+"""Hugging Face's safetensors layout as a conversion target (and source): a directory of `model.safetensors`, or of
+`model-0000i-of-0000N.safetensors` files and `model.safetensors.index.json`, holding the model's tensors under their
+FQNs, as save_pretrained writes them. Model weights only: it has no place for an optimizer state.
+
+Writing streams: each file's header is written first, then every tensor is read from the source, cast (floating
+tensors only, with `dtype`) and written at its offset, one tensor at a time; the directory appears atomically.
+Reading takes every file's header and the index, checked against each other, and reads a tensor's bytes on demand.
+"""
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..safetensors_io import (
+    BY_NAME,
+    DTYPES,
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    SafetensorsWriter,
+    parse_size,
+    plan_shards,
+    read_header,
+    shard_names,
+    write_index,
+)
+from .atomic import atomic_directory
+from .checkpoint import Checkpoint, Path, TensorMeta, dotted
+from .errors import CheckpointError
+
+
+def is_safetensors_directory(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in (SAFE_WEIGHTS, SAFE_INDEX))
+
+
+class ModelWeights(Checkpoint):
+    """The tensors of a checkpoint's model section, floating ones cast to `dtype` (None: as they are): what a
+    safetensors directory holds of it."""
+
+    def __init__(self, source: Checkpoint, dtype: torch.dtype | None = None) -> None:
+        self.location, self._source, self._dtype = source.location, source, dtype
+        self.leaves = {}
+        for path, leaf in source.leaves.items():
+            if path[0] != "model":
+                continue
+            if len(path) != 2 or not isinstance(leaf, TensorMeta):
+                raise CheckpointError(
+                    f"{dotted(path)} in {source.location} is a {type(leaf).__name__}, not a tensor: a safetensors file "
+                    "holds tensors only. Convert to --to full or dcp instead."
+                )
+            self.leaves[path] = TensorMeta(leaf.shape, self._cast(leaf.dtype))
+        if not self.leaves:
+            raise CheckpointError(
+                f"{source.location} has no model tensors to write (only an optimizer state, or nothing): safetensors "
+                "holds model weights."
+            )
+
+    def _cast(self, dtype: torch.dtype) -> torch.dtype:
+        return self._dtype if self._dtype is not None and dtype.is_floating_point else dtype
+
+    def read(self, path: Path) -> torch.Tensor:
+        tensor = self._source.read(path)
+        return tensor.to(self.leaves[path].dtype)
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def write_safetensors(
+    source: Checkpoint, destination: str, max_shard_size: int | str, on_tensor: Callable[[Path, int], None]
+) -> None:
+    """Write the model section of `source` (tensors by FQN, as ModelWeights gives it) in Hugging Face's layout at
+    `destination`, atomically, holding one tensor in memory at a time."""
+    try:
+        max_size = parse_size(max_shard_size)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    tensors = [(path, leaf) for path, leaf in source.tensors()]
+    for path, leaf in tensors:
+        if leaf.dtype not in DTYPES:
+            raise CheckpointError(
+                f"{dotted(path)} in {source.location} is {leaf.dtype}, which safetensors cannot store: pass "
+                "--dtype, or convert to --to full or dcp."
+            )
+    groups = plan_shards([leaf.nbytes for _, leaf in tensors], max_size)
+    names = shard_names(len(groups), SAFE_WEIGHTS)
+    with atomic_directory(destination) as temporary:
+        for group, name in zip(groups, names, strict=True):
+            chosen = [tensors[i] for i in group]
+            writer = SafetensorsWriter(
+                os.path.join(temporary, name), [(str(path[1]), leaf.shape, leaf.dtype) for path, leaf in chosen]
+            )
+            try:
+                for path, leaf in chosen:
+                    writer.write(str(path[1]), 0, source.read(path))
+                    on_tensor(path, leaf.nbytes)
+            finally:
+                writer.close()
+        if len(groups) > 1:
+            weight_map = {str(tensors[i][0][1]): name for group, name in zip(groups, names, strict=True) for i in group}
+            total = sum(leaf.nbytes for _, leaf in tensors)
+            write_index(os.path.join(temporary, SAFE_INDEX), weight_map, {"total_size": total})
+
+
+class SafetensorsDirectory(Checkpoint):
+    def __init__(self, directory: str) -> None:
+        self.location = directory
+        if not is_safetensors_directory(directory):
+            raise CheckpointError(f"{directory} holds neither {SAFE_WEIGHTS} nor {SAFE_INDEX}.")
+        index_path = os.path.join(directory, SAFE_INDEX)
+        weight_map: dict[str, str] | None = None
+        if os.path.isfile(index_path):
+            weight_map = _weight_map(index_path)
+            files = sorted(set(weight_map.values()))
+        else:
+            files = [SAFE_WEIGHTS]
+        self.leaves: dict[Path, Any] = {}
+        self._where: dict[Path, tuple[str, int, int]] = {}  # file, first byte, byte count
+        for name in files:
+            self._add_file(name)
+        if weight_map is not None and weight_map != {str(p[1]): self._where[p][0] for p in self._where}:
+            raise CheckpointError(
+                f"{index_path} does not list the tensors its files hold (or names other files for them): the "
+                "directory is incomplete or was edited. Restore it from a copy."
+            )
+
+    def _add_file(self, name: str) -> None:
+        path = os.path.join(self.location, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}, named in the index, is missing: copy every file of the directory.")
+        try:
+            header, data_start = read_header(path)
+        except ValueError as error:
+            raise CheckpointError(f"{error}: the file is truncated or not safetensors; restore it.") from None
+        size = os.path.getsize(path)
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype, shape, (begin, end) = BY_NAME[entry["dtype"]], torch.Size(entry["shape"]), entry["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(
+                    f"{path}: the header entry of {key} is malformed, or of an unknown dtype."
+                ) from None
+            meta = TensorMeta(shape, dtype)
+            if end - begin != meta.nbytes or begin < 0 or data_start + end > size:
+                raise CheckpointError(
+                    f"{path}: {key}'s bytes [{begin}, {end}) do not fit its shape and dtype or the file ({size} "
+                    "bytes): it is truncated or corrupted. Restore it from a copy."
+                )
+            if ("model", key) in self.leaves:
+                raise CheckpointError(f"{key} is in two files of {self.location}: the directory mixes saves.")
+            self.leaves[("model", key)] = meta
+            self._where[("model", key)] = (name, data_start + begin, end - begin)
+
+    def read(self, path: Path) -> torch.Tensor:
+        name, start, count = self._where[path]
+        meta = self.leaves[path]
+        buffer = bytearray(count)
+        with open(os.path.join(self.location, name), "rb") as file:
+            file.seek(start)
+            if file.readinto(buffer) != count:
+                raise CheckpointError(f"{name} in {self.location} ends inside {dotted(path)}: it is truncated.")
+        if not count:
+            return torch.empty(meta.shape, dtype=meta.dtype)
+        return torch.frombuffer(buffer, dtype=meta.dtype).view(meta.shape)
+
+
+def _weight_map(path: str) -> dict[str, str]:
+    try:
+        with open(path) as file:
+            weight_map = json.load(file)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path} is not a safetensors index ({error}): restore it from a copy.") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{path}: its weight_map is not a map of tensor names to file names.")
+    return weight_map
