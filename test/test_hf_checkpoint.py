@@ -372,8 +372,9 @@ def test_max_shard_size_parsing() -> None:
 
 
 def _meta_hybrid_load_and_save(source: str, target: str) -> None:
-    import models
     from torch.distributed.device_mesh import init_device_mesh
+
+    import models
 
     torch.manual_seed(0)
     pretrained = models.Transformer()

@@ -52,6 +52,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import fsdp_legacy from the checkout
 from fsdp_legacy.memory import MemoryTracker
 from gpt import GPT, Block, DeepMLP, GPTConfig, MLPBlock
+from process_exit import exit_now
 
 IMPLS = ["ours", "torch_fsdp1", "fsdp2", "ddp"]
 MODELS = ["gpt", "gpt-bf16", "mlp"]
@@ -425,10 +426,10 @@ def worker(rank: int, args: argparse.Namespace, nproc: int, store_path: str, res
             env = f"CPU, gloo, {len(os.sched_getaffinity(0))} cores split between the ranks"
         with open(result_path, "wb") as f:
             pickle.dump((rows, descs, env), f)
-    # Every rank done with every collective before any tears its process group down (a gloo rank torn down while its
-    # peer still exchanges was seen to abort at exit).
+    # Every rank done with every collective before any tears its process group down, then out without the teardown.
     dist.barrier()
     dist.destroy_process_group()
+    exit_now()
 
 
 def parse_args() -> argparse.Namespace:

@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from process_exit import exit_now
+
 MARK_BEGIN, MARK_END = "<!-- bench_checkpoint:begin -->", "<!-- bench_checkpoint:end -->"
 
 
@@ -155,8 +157,11 @@ def worker(rank: int, impl: str, port: int, workdir: str, layers: int, width: in
     dist.all_gather_object(gathered, results)
     if rank == 0:
         queue.put(gathered)
+        queue.close()
+        queue.join_thread()  # (delivered before the exit below, which skips the queue's own flush)
     dist.barrier()
     dist.destroy_process_group()
+    exit_now()
 
 
 def _broadcast_from_rank0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import fsdp_legacy from the checkout
 from gpt import GPT, Block, CharTokenizer, GPTConfig, batches, generate, make_corpus
+from process_exit import exit_now
 
 PROMPTS = ["the ", "count 3", "2 plus 2 is", "4 plus 3 is"]
 
@@ -200,10 +201,10 @@ def train(args: argparse.Namespace) -> None:
     if args.impl == "ours" and args.migrate_steps > 0:
         model.train()
         migrate_to_fsdp2(args, model, opt, lambda: GPT(cfg), data_iter, device, dtypes)
-    # Every rank done with every collective before any tears its process group down (a gloo rank torn down while its
-    # peer still exchanges was once seen to abort at exit).
+    # Every rank done with every collective before any tears its process group down, then out without the teardown.
     dist.barrier()
     dist.destroy_process_group()
+    exit_now()
 
 
 def migrate_to_fsdp2(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import Block, Net, batch, loss_of, patch_torch_fsdp1_for_cpu
+from common import Block, Net, batch, exit_now, loss_of, patch_torch_fsdp1_for_cpu
 
 
 def oracle(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
@@ -217,6 +217,7 @@ def main() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    exit_now()
 
 
 if __name__ == "__main__":
