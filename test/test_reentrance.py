@@ -123,3 +123,14 @@ def _same_errors_as_torch() -> None:
 
 def test_summon_and_apply_where_they_cannot_run_raise_torchs_errors() -> None:
     run_on_ranks(_same_errors_as_torch, 2)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_a_unit_run_several_times_at_one_and_four_ranks_trains_as_ddp(world_size: int, frozen: bool) -> None:
+    run_on_ranks(_reused_unit_trains_as_ddp, world_size, "FULL_SHARD", True, {}, frozen)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_torchs_errors_at_one_and_four_ranks(world_size: int) -> None:
+    run_on_ranks(_same_errors_as_torch, world_size)

@@ -113,3 +113,8 @@ def _fp16_offload_round_trip(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"])
 def test_fp16_mixed_precision_with_cpu_offload_and_orig_params_saves_and_loads(kind: str) -> None:
     run_on_ranks(_fp16_offload_round_trip, 2, kind)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_shared_module_with_a_tied_parameter_at_one_and_four_ranks(world_size: int) -> None:
+    run_on_ranks(_as_torch, world_size, "SHARDED_STATE_DICT", True)
