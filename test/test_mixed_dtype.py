@@ -68,6 +68,10 @@ def _assert_matches(ours: nn.Module, reference: nn.Module, what: str) -> None:
 
 
 def _trains_like_ddp(strategy: str, use_orig_params: bool, extra: dict, model_kwargs: dict) -> None:
+    if "HYBRID" in strategy:  # 4 ranks: sharded across pairs, replicated across the two pairs
+        from torch.distributed.device_mesh import init_device_mesh
+
+        extra = dict(extra, device_mesh=init_device_mesh("cpu", (2, 2)))
     reference, ours = _build(
         model_kwargs,
         sharding_strategy=fsdp_legacy.ShardingStrategy[strategy],
@@ -110,6 +114,8 @@ def _trains_like_ddp(strategy: str, use_orig_params: bool, extra: dict, model_kw
         ("FULL_SHARD", True, {}, {}, 4),
         ("FULL_SHARD", False, {}, BF16_SCALES, 4),
         ("FULL_SHARD", True, {}, {}, 1),
+        ("HYBRID_SHARD", True, {}, {}, 4),
+        ("_HYBRID_SHARD_ZERO2", False, {}, BF16_SCALES, 4),
     ]
 )
 def test_trains_like_ddp(strategy: str, use_orig_params: bool, extra: dict, model_kwargs: dict, world_size: int):
