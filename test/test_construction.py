@@ -154,3 +154,14 @@ def _optimizer_in_backward(use_orig_params: bool) -> None:
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_optimizer_in_backward_as_torch(use_orig_params: bool) -> None:
     run_on_ranks(_optimizer_in_backward, 2, use_orig_params)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_invalid_arguments_at_two_and_four_ranks(world_size: int) -> None:
+    run_on_ranks(_same_errors_and_warnings, world_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_ignored_modules_and_optimizer_in_backward_at_one_and_four_ranks(world_size: int) -> None:
+    run_on_ranks(_ignored_under_auto_wrapping, world_size)
+    run_on_ranks(_optimizer_in_backward, world_size, True)
