@@ -30,6 +30,7 @@ from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .clip_grad import clip_grad_norm_
 from .flat_param import FlatParameter, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
+from .naming import join_fqn
 from .runtime import Runtime
 from .summon import summon_full_params
 from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, TrainingState, fsdp_modules
@@ -163,6 +164,9 @@ class FullyShardedDataParallel(FSDPUnit):
         # One flat parameter per dtype among the managed parameters (one, as in torch, unless the unit mixes dtypes:
         # frozen integer weights beside trainable adapters, say), each sharded and gathered on its own.
         self._handles: list[FlatParamHandle] = []
+        # Where each parameter reference stands among its module's (a unit with several flat parameters puts them
+        # back in this order when it shows them: summon_full_params, FULL and SHARDED state dicts).
+        self._registration_order: dict[str, int] = _registration_order(module, managed, is_boundary)
         for index, group in enumerate(_by_dtype(module, managed, is_boundary)):
             floating = next(iter(group)).is_floating_point()
             handle = FlatParamHandle(
@@ -445,6 +449,17 @@ def _post_backward_hook(
     if unit is not None and handle is not None:
         assert unit._runtime is not None, "backward follows a forward, which sets the runtime"
         unit._runtime.post_backward(unit, handle)
+
+
+def _registration_order(module: nn.Module, managed: set[nn.Parameter], is_boundary) -> dict[str, int]:
+    """Clean FQN (relative to the unit's module) of every reference to a managed parameter -> its rank in
+    nn.Module's order (modules in pre-order, each module's parameters in registration order)."""
+    order: dict[str, int] = {}
+    for module_name, sub in iter_unit_modules(module, is_boundary):
+        for name, param in sub._parameters.items():
+            if param is not None and param in managed:
+                order.setdefault(join_fqn(module_name, name), len(order))
+    return order
 
 
 def _by_dtype(module: nn.Module, managed: set[nn.Parameter], is_boundary) -> list[set[nn.Parameter]]:

@@ -289,8 +289,8 @@ def _unsharded_values(
                 values[key] = None
                 continue
             param = full[info.offset : info.offset + info.numel].view(info.shape)
-            if kind == StateDictType.FULL_STATE_DICT:  # (a Parameter subclass's value keeps its class and attributes)
-                values[key] = handle.typed(_copy(param, config.offload_to_cpu), info)
+            if kind == StateDictType.FULL_STATE_DICT:  # what nn.Module saves: the parameter's detach()
+                values[key] = _copy(handle.typed(param, info).detach(), config.offload_to_cpu)
             elif getattr(config, "_use_dtensor", False) or unit._device_mesh is not None:
                 values[key] = _chunk_dtensor(param, unit, config.offload_to_cpu)
             else:
@@ -328,7 +328,10 @@ def _in_module_order(unit: FSDPUnit, entries: dict[str, Any], values: dict[str, 
         if not nested:
             # Registered parameters first; a tied reference comes with the gathered ones, where torch puts it.
             params = [k for k in keys if k.rpartition(".")[2] in module._parameters and k not in shared]
-            gathered = [k for k in by_module.pop(path, []) if k not in params]
+            gathered = sorted(
+                (k for k in by_module.pop(path, []) if k not in params),
+                key=lambda k: unit._registration_order.get(k, -1),  # (several flat parameters: as registered)
+            )
             keys = params + gathered + [k for k in keys if k not in params]
         for key in keys:
             ordered[key] = values[key] if key in values else entries[key]

@@ -55,6 +55,8 @@ def _summon_unit(
         with contextlib.ExitStack() as stack:
             for handle in unit._handles:
                 stack.enter_context(_summon_handle(unit, handle, writeback, rank0_only, offload_to_cpu, with_grads))
+            if len(unit._handles) > 1 and not unit._use_orig_params:
+                _in_registration_order(unit)
             yield
     finally:
         unit.training_state = TrainingState.IDLE
@@ -89,6 +91,20 @@ def _summon_handle(
             _hide(unit, handle)
     finally:
         handle.training_state = HandleTrainingState.IDLE
+
+
+def _in_registration_order(unit: FSDPUnit) -> None:
+    """Parameters shown by several flat parameters (use_orig_params=False), each module's in registration order, as
+    named_parameters() lists them on the plain model."""
+    rank = unit._registration_order
+    for handle in unit._handles:
+        owners = [(i.module, i.module_name) for i in handle.layout.params]
+        for module, module_name in owners + [(s.module, s.module_name) for s in handle.layout.shared]:
+            params = module._parameters
+            prefix = module_name + "." if module_name else ""
+            shown = sorted((n for n in params if prefix + n in rank), key=lambda n: rank[prefix + n])
+            for name in shown:  # moved to the end in order; the module's other parameters stay in front
+                params[name] = params.pop(name)
 
 
 def _gather_grad(handle: FlatParamHandle) -> torch.Tensor | None:

@@ -49,6 +49,7 @@ class FSDPUnit(nn.Module):
     _use_orig_params: bool
     _device_mesh: Any
     _handles: list[FlatParamHandle]  # one per dtype among the unit's parameters (one, as in torch, or none)
+    _registration_order: dict[str, int]  # clean relative FQN of each managed parameter reference -> nn.Module order
     _handle: FlatParamHandle | None  # the first (torch's name): None when the unit manages no parameter
     # Per step
     training_state: TrainingState

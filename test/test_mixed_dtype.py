@@ -186,8 +186,8 @@ def _subclass_and_state_dicts(use_orig_params: bool) -> None:
     expected = reference.state_dict()
     for key, value in expected.items():
         assert torch.equal(full[key], value) and full[key].dtype == value.dtype, key
-    assert isinstance(full["blocks.0.proj.weight"], PackedWeight)
-    assert full["blocks.0.proj.weight"].quant_state == reference.blocks[0].proj.weight.quant_state
+    # As nn.Module saves them (the parameter's detach(): a plain tensor), so torch.load(weights_only=True) reads them.
+    assert all(type(full[key]) is type(value) for key, value in expected.items())
     # Hugging Face safetensors, streamed out and back in: the uint8 weights as U8, exactly.
     from safetensors.torch import load_file
 
@@ -251,8 +251,9 @@ def _converts_offline(local_dir: str, expected: dict[str, torch.Tensor]) -> None
 
 @parameterized.expand([("uop", True), ("flat", False)])
 def test_subclass_identity_and_state_dicts(_: str, use_orig_params: bool) -> None:
-    """The packed weights are PackedWeight with their quant_state outside forward, inside summon_full_params and in
-    FULL state dicts; FULL, SHARDED and LOCAL state dicts equal the plain model's and load back exactly; the LOCAL
+    """The packed weights are PackedWeight with their quant_state outside forward and inside summon_full_params;
+    FULL, SHARDED and LOCAL state dicts equal the plain model's (values of the types it saves) and load back exactly;
+    the LOCAL
     checkpoint converts offline to FSDP2's layout, a full file and back."""
     run_on_ranks(_subclass_and_state_dicts, 2, use_orig_params)
 
