@@ -12,7 +12,8 @@ Where the sharded gradient lives:
                rank's pieces of trainable parameters: frozen parameters and alignment padding cost no gradient memory
                (torch FSDP1 keeps a shard-sized flat gradient). `flat_param.grad` then stays None while sharded.
                NO_SHARD in full precision on the compute device, where autograd writes the flat gradient in place,
-               keeps the first scheme with the original gradients as views of it.
+               keeps the first scheme with the original gradients as views of it (orig_param_grads.py).
+A unit whose parameters differ in dtype has one handle per dtype; each is what is described here.
 """
 
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from . import _collectives as comm
 from .api import FSDPEnum
 from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, aligned_numel_for, build_layout, flatten
 from .naming import FLAT_PARAM
+from .orig_param_grads import OrigParamGrads, _assign_grad
 
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
 # units) fails with a clear message instead of silently owning a stale copy.
@@ -53,7 +55,7 @@ class PendingReduction:
     post_divide: float
 
 
-class FlatParamHandle:
+class FlatParamHandle(OrigParamGrads):
     def __init__(
         self,
         module: nn.Module,
@@ -147,10 +149,10 @@ class FlatParamHandle:
         # and their storage with them, so the unsharded model does not outlive construction.
         self.orig_params: dict[ParamInfo, nn.Parameter] = originals if use_orig_params else {}
         self._local_pieces = {piece.info: piece for piece in layout.shard_pieces(self.rank)} if sharded else {}
-        self._orig_grad_views: dict[ParamInfo, torch.Tensor | None] = {}
+        self._orig_grad_views = {}
         self.grads_on_orig_params = use_orig_params and self.uses_buffer
-        self._compact_grad: torch.Tensor | None = None  # the buffer behind `_compact_views`, when ours
-        self._compact_views: dict[ParamInfo, torch.Tensor] = {}  # the sharded gradient of each original parameter
+        self._compact_grad = None
+        self._compact_views = {}
         for info, param in originals.items():
             FLATTENED[param] = f"'{info.fqn}' of the FSDP unit wrapping {type(module).__name__}"
         if use_orig_params:
@@ -393,114 +395,8 @@ class FlatParamHandle:
         for info, param in self.orig_params.items():
             param.data = self._local_view(self.local_shard, info)
 
-    def _local_view(self, flat: torch.Tensor, info: ParamInfo) -> torch.Tensor:
-        if not self.sharded:
-            return flat[info.offset : info.offset + info.numel].view(info.shape)
-        piece = self._local_pieces.get(info)
-        if piece is None:
-            return flat[:0]
-        return flat[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard]
-
     # ----------------------------------------------------------------------------------------------------------------
     # Gradients
-
-    def sync_grad_from_orig_params(self) -> None:
-        """use_orig_params=True: adopt what the user did to the original gradients (zero_grad(set_to_none), edits)."""
-        if not self.use_orig_params or self.unsynced_grad is not None:
-            return
-        if self.grads_on_orig_params:
-            self._adopt_orig_grads()
-            return
-        flat_grad = self.flat_param.grad
-        grads = {info: p.grad for info, p in self.orig_params.items() if info in self._orig_grad_views}
-        if flat_grad is not None and all(grads[i] is v for i, v in self._orig_grad_views.items()):
-            return  # untouched since we set them
-        if all(g is None for g in grads.values()):
-            self.flat_param.grad = None
-            self._orig_grad_views = {}
-            return
-        fresh = torch.zeros_like(self.flat_param)
-        for info, grad in grads.items():
-            if grad is not None:
-                self._local_view(fresh, info).copy_(grad.reshape(self._local_view(fresh, info).shape))
-        self.flat_param.grad = fresh
-        self._use_orig_grad_views()
-
-    def _use_orig_grad_views(self) -> None:
-        if self.grads_on_orig_params:
-            for info, param in self.orig_params.items():
-                _assign_grad(param, self._compact_views.get(info) if param.requires_grad else None)
-            return
-        flat_grad = self.flat_param.grad
-        self._orig_grad_views = {}
-        for info, param in self.orig_params.items():
-            has_data = not self.sharded or info in self._local_pieces
-            view = self._local_view(flat_grad, info) if flat_grad is not None and has_data else None
-            if view is not None and not param.requires_grad:
-                view = None
-            _assign_grad(param, view)
-            if view is not None:
-                self._orig_grad_views[info] = view
-
-    def _adopt_orig_grads(self) -> None:
-        """Take the original parameters' gradients as the sharded gradient to accumulate into: unchanged when they
-        are still our views, dropped after zero_grad(set_to_none=True), copied in on the next reduction otherwise."""
-        current = {info: p.grad for info, p in self.orig_params.items() if p.grad is not None}
-        if current.keys() == self._compact_views.keys() and all(
-            current[i] is v for i, v in self._compact_views.items()
-        ):
-            return
-        self._compact_grad = None  # the next reduction builds a fresh buffer from these values
-        self._compact_views = current
-
-    def _trainable_slots(self) -> list[tuple[ParamInfo, int, int]]:
-        """(parameter, first element in the local flat shard, numel) of each trainable original parameter that has
-        elements on this rank."""
-        slots = []
-        for info, param in self.orig_params.items():
-            if not param.requires_grad:
-                continue
-            if not self.sharded:
-                slots.append((info, info.offset, info.numel))
-            elif info in self._local_pieces:
-                piece = self._local_pieces[info]
-                slots.append((info, piece.offset_in_shard, piece.numel_in_shard))
-        return slots
-
-    def _accumulate_compact(self, shard_grad: torch.Tensor) -> None:
-        """Add a reduced gradient in the flat shard's layout into the original parameters' compact gradient."""
-        slots = self._trainable_slots()
-        if self._compact_grad is None or self._compact_views.keys() != {info for info, _, _ in slots}:
-            self._rebuild_compact(slots, shard_grad.dtype, shard_grad.device)
-        for info, start, numel in slots:
-            self._compact_views[info].view(-1).add_(shard_grad[start : start + numel])
-
-    def _rebuild_compact(self, slots: list[tuple[ParamInfo, int, int]], dtype: torch.dtype, device: torch.device):
-        """A fresh compact buffer for `slots`, starting from the current per-parameter values (zero where none)."""
-        buffer = torch.zeros(sum(numel for _, _, numel in slots), dtype=dtype, device=device)
-        views, offset = {}, 0
-        for info, _, numel in slots:
-            view = buffer[offset : offset + numel]
-            views[info] = view if self.sharded else view.view(info.shape)
-            previous = self._compact_views.get(info)
-            if previous is not None:
-                view.copy_(previous.reshape(-1))
-            offset += numel
-        self._compact_grad, self._compact_views = buffer, views
-
-    def sharded_grad(self) -> torch.Tensor | None:
-        """This rank's sharded gradient in the flat shard's layout (assembled, zero-filled, when it lives on the
-        original parameters); None if there is none."""
-        if not self.grads_on_orig_params:
-            return self.saved_grad if self.unsynced_grad is not None else self.flat_param.grad
-        self.sync_grad_from_orig_params()
-        if not self._compact_views:
-            return None
-        flat = torch.zeros_like(self.local_shard, dtype=next(iter(self._compact_views.values())).dtype)
-        for info, _, _ in self._trainable_slots():
-            if info in self._compact_views:
-                self._local_view(flat, info).view(-1).copy_(self._compact_views[info].reshape(-1))
-        return flat
 
     def prepare_gradient_for_backward(self) -> None:
         """Backward has reached the unit, and autograd is about to accumulate into the flat parameter: adopt the
@@ -644,19 +540,6 @@ def _uniform(params: list[nn.Parameter], key, what: str):
             "requires_grad)."
         )
     return values.pop()
-
-
-def _assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Set a gradient whose shape or dtype differs from the parameter's current data, as torch FSDP1 does under
-    no_sync() (unsharded gradients on sharded parameters) and with keep_low_precision_grads: `.grad` assignment
-    checks both against `.data`, so the data is swapped for a one-element stand-in (an expanded view) meanwhile."""
-    if grad is None or (grad.shape == param.shape and grad.dtype == param.dtype):
-        param.grad = grad
-        return
-    data = param.data
-    param.data = grad.new_empty(1).expand(grad.shape)
-    param.grad = grad
-    param.data = data
 
 
 def _free(tensor: torch.Tensor) -> None:
