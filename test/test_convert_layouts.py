@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -31,6 +30,7 @@ from fsdp_utils import Config, build_torch_fsdp
 from harness import run_on_ranks
 from test_convert import _fsdp2_load, _fsdp2_model, _save_local, assert_same, without_layout
 from test_optim_state import adam, load_into_fsdp2, model_sd, osd, train
+from torchrun import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 FULL, SHARDED = "FULL_STATE_DICT", "SHARDED_STATE_DICT"
@@ -359,31 +359,9 @@ def test_detection_and_errors(tmp_path: Path) -> None:
 # Accelerate and Lightning, by the real libraries
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _write_layouts(library: str, out: Path) -> Path:
     """test/frameworks/write_layouts.py on 2 ranks, with torch's own FSDP1."""
-    env = {k: v for k, v in os.environ.items() if k != "FSDP_LEGACY"} | {"OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
-        str(REPO / "test" / "frameworks" / "write_layouts.py"),
-        "--library",
-        library,
-        "--out",
-        str(out),
-    ]
-    done = subprocess.run(
-        command, cwd=REPO / "test" / "frameworks", env=env, capture_output=True, text=True, timeout=600
-    )
+    done = torchrun("write_layouts.py", ["--library", library, "--out", str(out)], ours=False)
     assert done.returncode == 0, f"{library}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     return out
 

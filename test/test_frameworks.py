@@ -10,10 +10,6 @@ Needs the `frameworks` extra (pip install -e '.[frameworks]'); CI runs these wit
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,37 +17,16 @@ from typing import Any
 import pytest
 import torch
 
+from torchrun import torchrun
+
 pytestmark = pytest.mark.frameworks
-HERE = Path(__file__).resolve().parent / "frameworks"
 # pickled RNG states, training arguments and the like: not tensors of ours (rng_state_*.pth and training_args.bin do not
 # load with weights_only=True)
 SKIPPED_FILES = ("random_states", "scheduler", "scaler", "rng_state", "training_args")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(script: str, impl: str, out: Path) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "FSDP_LEGACY"} | {"OMP_NUM_THREADS": "1"}
-    if impl == "ours":
-        env["FSDP_LEGACY"] = "1"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
-        str(HERE / script),
-        "--impl",
-        impl,
-        "--out",
-        str(out),
-    ]
-    done = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    done = torchrun(script, ["--impl", impl, "--out", str(out)], ours=impl == "ours")
     assert done.returncode == 0, f"{script} --impl {impl} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
     return json.loads((out / "results.json").read_text())
 
