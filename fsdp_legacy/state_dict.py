@@ -328,10 +328,9 @@ def _in_module_order(unit: FSDPUnit, entries: dict[str, Any], values: dict[str, 
         if not nested:
             # Registered parameters first; a tied reference comes with the gathered ones, where torch puts it.
             params = [k for k in keys if k.rpartition(".")[2] in module._parameters and k not in shared]
-            gathered = sorted(
-                (k for k in by_module.pop(path, []) if k not in params),
-                key=lambda k: unit._registration_order.get(k, -1),  # (several flat parameters: as registered)
-            )
+            gathered = [k for k in by_module.pop(path, []) if k not in params]
+            if len(unit._handles) > 1:  # several flat parameters: as registered (one: torch's order, as it is)
+                gathered.sort(key=lambda k: unit._registration_order.get(k, -1))
             keys = params + gathered + [k for k in keys if k not in params]
         for key in keys:
             ordered[key] = values[key] if key in values else entries[key]
