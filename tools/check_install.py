@@ -23,6 +23,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 
+from process_exit import exit_now
+
 
 def _rank(rank: int, world_size: int, port: int, directory: str, switched: bool) -> None:
     import fsdp_legacy
@@ -49,6 +51,7 @@ def _rank(rank: int, world_size: int, port: int, directory: str, switched: bool)
             optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
     finally:
         dist.destroy_process_group()
+    exit_now()  # (done: out without the teardown, where a gloo worker can abort the process; see process_exit.py)
 
 
 def main() -> None:
