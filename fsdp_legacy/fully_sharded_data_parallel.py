@@ -199,7 +199,6 @@ class FullyShardedDataParallel(FSDPUnit):
                 # so a hook holding the unit would keep the whole model alive after `del model`.
                 hook = functools.partial(_post_backward_hook, weakref.ref(self), weakref.ref(handle))
                 handle.flat_param.register_post_accumulate_grad_hook(hook)
-        self._handle: FlatParamHandle | None = self._handles[0] if self._handles else None  # torch's name
         self._fsdp_wrapped_module = module
         if not use_orig_params:
             for handle in self._handles:

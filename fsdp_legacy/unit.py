@@ -50,7 +50,6 @@ class FSDPUnit(nn.Module):
     _device_mesh: Any
     _handles: list[FlatParamHandle]  # one per dtype among the unit's parameters (one, as in torch, or none)
     _registration_order: dict[str, int]  # clean relative FQN of each managed parameter reference -> nn.Module order
-    _handle: FlatParamHandle | None  # the first (torch's name): None when the unit manages no parameter
     # Per step
     training_state: TrainingState
     _is_root: bool | None  # None until the first forward decides the root
@@ -64,6 +63,11 @@ class FSDPUnit(nn.Module):
     _state_dict_config: Any
     _optim_state_dict_config: Any
     _fsdp_wrapped_module: nn.Module  # a registered submodule, found by nn.Module.__getattr__
+
+    @property
+    def _handle(self) -> FlatParamHandle | None:
+        """torch's name: the unit's (first) handle, None when it manages no parameter."""
+        return self._handles[0] if self._handles else None
 
     @property
     def module(self) -> nn.Module:
