@@ -246,11 +246,14 @@ class FullyShardedDataParallel(FSDPUnit):
     # ----------------------------------------------------------------------------------------------------------------
     # nn.Module surface
 
+    # Under torch.compile, Dynamo never traces this frame nor the runtime (collectives, storage resizes, hooks and
+    # bookkeeping run eagerly, as torch's FSDP1 runtime does inside torch), while the wrapped module's own forward,
+    # called from here, is compiled as a frame of its own with the unsharded views as graph inputs.
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        runtime = self._lazy_init()
-        args, kwargs = runtime.pre_forward(self, args, kwargs)
+        args, kwargs = _pre_forward(self, args, kwargs)
         output = self._fsdp_wrapped_module(*args, **kwargs)
-        return runtime.post_forward(self, output)
+        return _post_forward(self, output)
 
     def _lazy_init(self) -> Runtime:
         """The first FSDP instance to run forward becomes the root of all FSDP instances below it."""
@@ -444,6 +447,17 @@ class FullyShardedDataParallel(FSDPUnit):
         clean = self.training_state == TrainingState.SUMMON_FULL_PARAMS
         for name, buffer in super().named_buffers(*args, **kwargs):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), buffer
+
+
+@torch.compiler.disable
+def _pre_forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return unit._lazy_init().pre_forward(unit, args, kwargs)
+
+
+@torch.compiler.disable
+def _post_forward(unit: FullyShardedDataParallel, output: Any) -> Any:
+    assert unit._runtime is not None, "the pre-forward set it"
+    return unit._runtime.post_forward(unit, output)
 
 
 def _post_backward_hook(

@@ -146,6 +146,8 @@ def test_accelerate_trains_saves_and_resumes_as_on_torch_fsdp1(accelerate_runs: 
     ours, theirs, _, _ = accelerate_runs
     _same_figures(ours, theirs)
     assert all(r["restored_max_difference"] == 0.0 for r in ours.values())
+    compiled = [r for r in ours.values() if r["config"]["dynamo_backend"] != "no"]
+    assert compiled and all(r["compiled"] for r in compiled)  # Accelerator(dynamo_backend="inductor") compiled
 
 
 def test_accelerate_checkpoints_hold_torch_fsdp1s_tensors(accelerate_runs: tuple) -> None:
@@ -172,6 +174,8 @@ def test_transformers_trainer_and_peft_lora_train_save_and_resume_as_on_torch_fs
         if run["config"]["lora"]:  # only the adapters train
             assert run["lora_params"] and all(".lora_" in name for name in run["lora_params"])
             assert run["frozen_max_change"] == 0.0 and run["lora_min_change"] > 0.0
+        elif run["config"]["torch_compile"]:  # the whole wrapped model compiled (run_transformers.py: no resuming)
+            assert run["compiled"] and len(run["losses"]) == 3
         else:  # resumed from checkpoint-3 to step 5
             assert run["compute_dtype"] == ("torch.bfloat16" if run["config"]["bf16"] else "None")
             assert run["step"] == 5 and len(run["losses"]) == 3 and len(run["losses_after_resume"]) == 2

@@ -80,6 +80,7 @@ def fsdp_class() -> type:
 def check_impl(impl: str, model: nn.Module) -> str:
     """The framework really wrapped the model with the implementation under test; returns its module."""
     expected = "fsdp_legacy" if impl == "ours" else "torch.distributed.fsdp"
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule around the wrapped model
     modules = [cls.__module__ for cls in type(model).__mro__]
     assert any(m.startswith(expected) for m in modules), f"--impl {impl}, but the framework built a {type(model)}"
     return next(m for m in modules if m.startswith(expected))
@@ -90,11 +91,18 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     fsdp = fsdp_class()
     with fsdp.summon_full_params(model, writeback=False):
         return {
-            name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): p.detach()
-            .float()
-            .clone()
+            name.replace("_fsdp_wrapped_module.", "")
+            .replace("_checkpoint_wrapped_module.", "")
+            .removeprefix("_orig_mod."): p.detach().float().clone()
             for name, p in model.named_parameters()
         }
+
+
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has built in this process so far (0: nothing was compiled)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -8,7 +8,18 @@ import shutil
 from dataclasses import asdict, dataclass
 
 import torch
-from common import Net, batch, check_impl, checksum, full_params, loss_of, max_difference, parse_args, run_all
+from common import (
+    Net,
+    batch,
+    check_impl,
+    checksum,
+    compiled_graphs,
+    full_params,
+    loss_of,
+    max_difference,
+    parse_args,
+    run_all,
+)
 
 
 @dataclass(frozen=True)
@@ -19,6 +30,7 @@ class Run:
     weights: str = "float32"  # the model's own dtype before wrapping
     use_orig_params: bool = False
     activation_checkpointing: bool = False
+    dynamo_backend: str = "no"  # Accelerator(dynamo_backend=...): the whole wrapped model under torch.compile
 
 
 RUNS = [
@@ -30,6 +42,8 @@ RUNS = [
     Run("bf16_weights_sharded_uop", "SHARDED_STATE_DICT", "bf16", "bfloat16", use_orig_params=True),
     Run("ac_full_uop", "FULL_STATE_DICT", use_orig_params=True, activation_checkpointing=True),
     Run("ac_bf16_sharded", "SHARDED_STATE_DICT", "bf16", activation_checkpointing=True),
+    Run("compiled_sharded_uop", "SHARDED_STATE_DICT", use_orig_params=True, dynamo_backend="inductor"),
+    Run("compiled_bf16_full_uop", "FULL_STATE_DICT", "bf16", use_orig_params=True, dynamo_backend="inductor"),
 ]
 
 
@@ -50,7 +64,11 @@ def accelerator(run: Run):  # type: ignore[no-untyped-def]
         use_orig_params=run.use_orig_params,
         activation_checkpointing=run.activation_checkpointing,
     )
-    acc = Accelerator(cpu=True, mixed_precision=run.mixed_precision, fsdp_plugin=plugin)
+    torch._dynamo.reset()  # each run compiles its own model (the graphs of the run before would be reused)
+    torch._dynamo.utils.counters.clear()  # and counts its own graphs
+    acc = Accelerator(
+        cpu=True, mixed_precision=run.mixed_precision, fsdp_plugin=plugin, dynamo_backend=run.dynamo_backend
+    )
     acc.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin
@@ -101,6 +119,7 @@ def train_run(run: Run, impl: str, directory: str) -> dict:
         restored_max_difference=max_difference(saved, restored),
         loss_after_resume=loss.item(),
         params_after_resume=checksum(full_params(model)),
+        compiled=compiled_graphs() > 0,
     )
     acc.wait_for_everyone()
     return result
