@@ -2,6 +2,8 @@
 
 import math
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,20 +19,42 @@ def clip_grad_norm_(
     """Scale every gradient of `model` so that the norm of all full gradients is at most `max_norm`.
 
     Gradients of sharded units are partitioned across ranks, so their p-th powers (or maxima) are summed over the
-    group; replicated gradients (NO_SHARD units, ignored parameters) are counted once, locally. Returns the total
-    norm from before clipping, equal on every rank.
+    group; replicated gradients (NO_SHARD units, ignored parameters) are counted once, locally. Pieces of DTensor
+    parameters sharded over a tensor-parallel mesh are summed over that mesh first (copies over it, Replicate, count
+    once), so the norm is the whole model's on every rank. Returns the total norm from before clipping.
     """
     norm_type = float(norm_type)
     sharded = {id(p) for h in handles if h.sharded for p in (h.flat_param, *h.orig_params.values())}
+    tp_pieces, tp_params = _tp_pieces(handles)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sharded_grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) in sharded]
-    replicated_grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in sharded]
+    buckets: dict[tuple[bool, Any], list[torch.Tensor]] = {}  # (dp-sharded, tp group or None) -> gradients
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        dp_sharded = id(param) in sharded
+        if id(param) in tp_params:  # a use_orig_params view of a tp-sharded DTensor parameter
+            buckets.setdefault((dp_sharded, tp_params[id(param)]), []).append(param.grad)
+        elif id(param) in tp_pieces:  # a flat gradient holding pieces of tp-sharded DTensor parameters
+            rest, by_group = tp_pieces[id(param)](param.grad)
+            buckets.setdefault((dp_sharded, None), []).extend(rest)
+            for tp_group, pieces in by_group.items():
+                buckets.setdefault((dp_sharded, tp_group), []).extend(pieces)
+        else:
+            buckets.setdefault((dp_sharded, None), []).append(param.grad)
     # Norms are reduced on the compute device (NCCL needs it even when CPUOffload keeps the gradients on the CPU).
     device = handles[0].compute_device if handles else torch.device("cpu")
-    local_sharded = _norm_power(sharded_grads, norm_type, device)
-    local_replicated = _norm_power(replicated_grads, norm_type, device)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    combine = torch.maximum if math.isinf(norm_type) else torch.add
+    local_sharded = _norm_power(buckets.get((True, None), []), norm_type, device)
+    local_replicated = _norm_power(buckets.get((False, None), []), norm_type, device)
+    # One reduction per tp group, decided by the model's structure alone, so every rank joins the same ones.
+    for tp_group in dict.fromkeys(g for h in handles for g in _tp_groups(h)):
+        powers = torch.stack(
+            [_norm_power(buckets.get((dp_sharded, tp_group), []), norm_type, device) for dp_sharded in (True, False)]
+        )
+        dist.all_reduce(powers, op=op, group=tp_group)
+        local_sharded, local_replicated = combine(local_sharded, powers[0]), combine(local_replicated, powers[1])
     if any(h.sharded for h in handles):  # structural, hence the same decision on every rank
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(local_sharded, op=op, group=group)
     if math.isinf(norm_type):
         total = torch.maximum(local_sharded, local_replicated)
@@ -51,6 +75,41 @@ def clip_grad_norm_(
     for grad in grads[1:]:
         dtype = torch.promote_types(dtype, grad.dtype)
     return total.to(dtype)
+
+
+def _tp_groups(handle: FlatParamHandle) -> list[dist.ProcessGroup]:
+    return [record.mesh.get_group() for record in handle.dtensors.values() if record.tp_sharded]
+
+
+def _tp_pieces(handles: list[FlatParamHandle]) -> tuple[dict[int, Callable], dict[int, dist.ProcessGroup]]:
+    """For units holding tp-sharded DTensor parameters: (flat parameter id -> a function splitting its gradient into
+    (other pieces, {tp group: pieces of tp-sharded parameters})), (original parameter id -> its tp group)."""
+    splitters: dict[int, Callable] = {}
+    originals: dict[int, dist.ProcessGroup] = {}
+    for handle in handles:
+        tp = {info: record.mesh.get_group() for info, record in handle.dtensors.items() if record.tp_sharded}
+        if not tp:
+            continue
+        for info, param in handle.orig_params.items():
+            if info in tp:
+                originals[id(param)] = tp[info]
+        spans = (
+            [(p.info, p.offset_in_shard, p.numel_in_shard) for p in handle.layout.shard_pieces(handle.rank)]
+            if handle.sharded
+            else [(info, info.offset, info.numel) for info in handle.layout.params]
+        )
+
+        def split(grad: torch.Tensor, spans=spans, tp=tp) -> tuple[list[torch.Tensor], dict]:
+            flat = grad.reshape(-1)
+            rest: list[torch.Tensor] = []
+            by_group: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+            for info, start, numel in spans:
+                piece = flat[start : start + numel]
+                (by_group.setdefault(tp[info], []) if info in tp else rest).append(piece)
+            return rest, by_group
+
+        splitters[id(handle.flat_param)] = split
+    return splitters, originals
 
 
 def _norm_power(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

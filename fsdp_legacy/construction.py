@@ -15,6 +15,7 @@ from torch.distributed.distributed_c10d import _get_default_group
 
 from .flat_param import iter_unit_modules
 from .naming import join_fqn
+from .tensor_parallel import local_tensor
 from .unit import FSDPUnit
 
 
@@ -204,4 +205,4 @@ def _broadcast_from_rank0(module: nn.Module, managed: set[nn.Parameter], is_boun
         for _, sub in iter_unit_modules(module, is_boundary):
             for t in (*sub._parameters.values(), *sub._buffers.values()):
                 if t is not None and (t in managed or not isinstance(t, nn.Parameter)):
-                    dist.broadcast(t.data, src=source, group=group)
+                    dist.broadcast(local_tensor(t.data), src=source, group=group)  # (a DTensor's own piece)

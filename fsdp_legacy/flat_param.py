@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .naming import join_fqn
+from .tensor_parallel import local_tensor
 
 # torch fills alignment padding with this value, which makes stray reads of padding easy to spot.
 PADDING_VALUE = 42.0
@@ -186,11 +187,12 @@ def build_layout(
             else:
                 seen.add(param)
                 found.append((module_name, module, param_name, param))
-    offsets, segments, total = plan_segments([p.numel() for *_, p in found], aligned_numel, world_size)
+    # A DTensor parameter contributes its local piece (tensor_parallel.py).
+    offsets, segments, total = plan_segments([local_tensor(p).numel() for *_, p in found], aligned_numel, world_size)
     params: dict[nn.Parameter, ParamInfo] = {}
     for (module_name, module, param_name, param), offset in zip(found, offsets, strict=True):
         fqn = f"{module_name}.{param_name}" if module_name else param_name
-        params[param] = ParamInfo(fqn, module, module_name, param_name, param.shape, offset)
+        params[param] = ParamInfo(fqn, module, module_name, param_name, local_tensor(param).shape, offset)
     return FlatParamLayout(
         tuple(params.values()),
         tuple(SharedParamInfo(module, name, param_name, params[p]) for module, name, param_name, p in shared),

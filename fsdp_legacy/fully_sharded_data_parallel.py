@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import optim_state as _optim_state
@@ -40,10 +41,16 @@ from .flat_param import FlatParameter, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
 from .runtime import Runtime
 from .summon import summon_full_params
+from .tensor_parallel import check_param
 from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, TrainingState, fsdp_modules
 
 _HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 _SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *_HYBRID_STRATEGIES)
+# What Dynamo says where it meets an FSDP unit (with fullgraph=True, an error).
+_EAGER_RUNTIME = (
+    "fsdp_legacy: an FSDP unit's forward runs its all-gathers, hooks and resharding eagerly, as torch's FSDP1 does; "
+    "the wrapped module's own forward is compiled. Compile without fullgraph=True, or compile the wrapped blocks"
+)
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
@@ -228,7 +235,13 @@ class FullyShardedDataParallel(FSDPUnit):
                         "wrapped together: change the auto_wrap_policy so they belong to the same unit (e.g. do not "
                         "wrap one of them separately), or pass the parameter in ignored_states."
                     )
-                if is_traceable_wrapper_subclass(param.data):
+                if isinstance(param, DTensor):  # tensor parallelism: tensor_parallel.py
+                    problem = check_param(
+                        fqn, type(sub).__name__, param, self._device_mesh, self._inter_node_pg is not None
+                    )
+                    if problem:
+                        raise ValueError(problem)
+                elif is_traceable_wrapper_subclass(param.data):
                     raise ValueError(
                         f"Parameter '{fqn}' of {type(sub).__name__} holds a {type(param.data).__name__}, a tensor "
                         "subclass with its own inner tensors, which a flat parameter cannot hold: FSDP1 shards the "
@@ -249,7 +262,7 @@ class FullyShardedDataParallel(FSDPUnit):
     # Under torch.compile, Dynamo never traces this frame nor the runtime (collectives, storage resizes, hooks and
     # bookkeeping run eagerly, as torch's FSDP1 runtime does inside torch), while the wrapped module's own forward,
     # called from here, is compiled as a frame of its own with the unsharded views as graph inputs.
-    @torch.compiler.disable(recursive=False)
+    @torch.compiler.disable(recursive=False, reason=_EAGER_RUNTIME)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _pre_forward(self, args, kwargs)
         output = self._fsdp_wrapped_module(*args, **kwargs)
@@ -449,12 +462,12 @@ class FullyShardedDataParallel(FSDPUnit):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), buffer
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason=_EAGER_RUNTIME)
 def _pre_forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return unit._lazy_init().pre_forward(unit, args, kwargs)
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason=_EAGER_RUNTIME)
 def _post_forward(unit: FullyShardedDataParallel, output: Any) -> Any:
     assert unit._runtime is not None, "the pre-forward set it"
     return unit._runtime.post_forward(unit, output)

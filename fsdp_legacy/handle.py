@@ -23,6 +23,7 @@ from enum import auto
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _collectives as comm
@@ -30,6 +31,7 @@ from .api import FSDPEnum
 from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, aligned_numel_for, build_layout, flatten
 from .naming import FLAT_PARAM
 from .orig_param_grads import OrigParamGrads, _assign_grad
+from .tensor_parallel import DTensorParam, local_tensor
 
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
 # units) fails with a clear message instead of silently owning a stale copy.
@@ -128,8 +130,13 @@ class FlatParamHandle(OrigParamGrads):
         self._typed: dict[ParamInfo, nn.Parameter] = {
             i: p for i, p in originals.items() if issubclass(type(p), nn.Parameter) and type(p) is not nn.Parameter
         }
+        # DTensor parameters (tensor parallelism): the flat parameter holds their local pieces; this is how they are
+        # shown again as DTensors (tensor_parallel.py).
+        self.dtensors: dict[ParamInfo, DTensorParam] = {
+            i: DTensorParam.of(p) for i, p in originals.items() if isinstance(p, DTensor)
+        }
         with torch.no_grad():
-            full = flatten(layout, {i: p.detach() for i, p in originals.items()}, device, dtype)
+            full = flatten(layout, {i: local_tensor(p).detach() for i, p in originals.items()}, device, dtype)
         if sharded:
             n = layout.shard_numel
             self.local_shard = full[self.rank * n : (self.rank + 1) * n].clone()
@@ -155,6 +162,16 @@ class FlatParamHandle(OrigParamGrads):
         self._compact_views = {}
         for info, param in originals.items():
             FLATTENED[param] = f"'{info.fqn}' of the FSDP unit wrapping {type(module).__name__}"
+        if use_orig_params and self.dtensors:
+            # A DTensor parameter cannot be a view of a plain shard: a plain Parameter takes its place (as in torch),
+            # shown as a DTensor again in forward and summon_full_params.
+            for info in self.dtensors:
+                plain = nn.Parameter(torch.empty(0, dtype=dtype, device=device), originals[info].requires_grad)
+                info.module._parameters[info.param_name] = plain
+                for shared in layout.shared:
+                    if shared.primary is info:
+                        shared.module._parameters[shared.param_name] = plain
+                originals[info] = FLATTENED[plain] = plain
         if use_orig_params:
             self._use_sharded_orig_params()
             for shared in layout.shared:  # a tied reference moves behind its module's own parameters, as in torch
@@ -164,12 +181,11 @@ class FlatParamHandle(OrigParamGrads):
         else:
             for info in layout.params:
                 del info.module._parameters[info.param_name]
-                originals[info].data = torch.empty(0, dtype=dtype, device=device)
+                if info not in self.dtensors:  # (a DTensor's data cannot become a plain tensor)
+                    originals[info].data = torch.empty(0, dtype=dtype, device=device)
             for shared in layout.shared:  # (a module reached by two paths lists its parameters twice)
                 shared.module._parameters.pop(shared.param_name, None)
-            self._placeholders = {
-                info: self.typed(torch.empty(info.shape, device="meta", dtype=dtype), info) for info in layout.params
-            }
+            self._placeholders = {info: self._placeholder(info, dtype) for info in layout.params}
             self.drop_unsharded_views()
 
     def _set_precision(self, dtype: torch.dtype) -> None:
@@ -237,7 +253,7 @@ class FlatParamHandle(OrigParamGrads):
         if self.use_orig_params:
             self._use_sharded_orig_params()
         else:
-            self._placeholders = {i: self.typed(p.to(data.dtype), i) for i, p in self._placeholders.items()}
+            self._placeholders = {i: self._placeholder(i, data.dtype) for i in self._placeholders}
             self.drop_unsharded_views()
 
     @property
@@ -330,14 +346,25 @@ class FlatParamHandle(OrigParamGrads):
         for info, param in self.orig_params.items():
             if not param.requires_grad:  # frozen (use_orig_params=True): autograd computes no gradient for it
                 views[info] = views[info].detach()
-        for info in self._typed:
+        for info in (*self._typed, *self.dtensors):
             views[info] = self.typed(views[info], info)
         for module, name, info in self._attributes():
             module.__dict__[name] = views[info]
 
+    def _placeholder(self, info: ParamInfo, dtype: torch.dtype) -> torch.Tensor:
+        """A meta tensor of the parameter's shape (a DTensor parameter's global one) standing in outside forward."""
+        record = self.dtensors.get(info)
+        if record is not None:
+            return torch.empty(record.shape, device="meta", dtype=dtype)
+        return self.typed(torch.empty(info.shape, device="meta", dtype=dtype), info)
+
     def typed(self, tensor: torch.Tensor, info: ParamInfo) -> torch.Tensor:
         """`tensor` as an instance of the original parameter's class with its attributes, when that is a Parameter
-        subclass (the result shares data and autograd history with `tensor`); `tensor` itself otherwise."""
+        subclass, or as the DTensor it is the local piece of (the result shares data and autograd history with
+        `tensor`); `tensor` itself otherwise."""
+        record = self.dtensors.get(info)
+        if record is not None:
+            return record.wrap(tensor)
         original = self._typed.get(info)
         if original is None:
             return tensor
@@ -347,12 +374,20 @@ class FlatParamHandle(OrigParamGrads):
 
     def as_parameter(self, data: torch.Tensor, info: ParamInfo, requires_grad: bool) -> nn.Parameter:
         """A parameter of the original's class (with its attributes) holding `data`, as summon_full_params shows it."""
+        record = self.dtensors.get(info)
+        if record is not None:
+            return nn.Parameter(record.wrap(data), requires_grad=requires_grad)
         original = self._typed.get(info)
         if original is None:
             return nn.Parameter(data, requires_grad=requires_grad)
         param = torch.Tensor._make_subclass(type(original), data, requires_grad)
         param.__dict__.update(original.__dict__)
         return param
+
+    def typed_grad(self, grad: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+        """A gradient as the parameter shows it: a DTensor for a DTensor parameter."""
+        record = self.dtensors.get(info)
+        return record.wrap(grad) if record is not None else grad
 
     def drop_unsharded_views(self) -> None:
         """Outside forward/backward: use_orig_params=True falls back to the registered (sharded) parameters. With

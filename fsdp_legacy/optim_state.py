@@ -12,6 +12,7 @@ original parameter by its clean FQN:
   position, so a checkpoint loads across use_orig_params settings, wrap policies and world sizes.
 """
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ from .handle import FlatParamHandle
 from .naming import clean_fqn
 from .state_dict import _chunk_dtensor, _chunk_sharded_tensor, _clean, _copy, get_state_dict_type
 from .state_dict_loading import _full_tensor, materialize
+from .tensor_parallel import DTensorParam
 from .unit import FSDPUnit
 
 
@@ -205,9 +207,10 @@ def _save(
     for handle_entries in by_handle.values():
         unit, handle = handle_entries[0][1].unit, handle_entries[0][1].handle
         assert unit is not None and handle is not None
-        for fqn, gathered in _gather_handle(handle, handle_entries, osd["state"], local, specs):
+        for fqn, info, gathered in _gather_handle(handle, handle_entries, osd["state"], local, specs):
             if keep:
-                values[fqn] = {name: _save_value(value, unit, handle, full, config) for name, value in gathered.items()}
+                record = handle.dtensors.get(info)
+                values[fqn] = {n: _save_value(v, unit, handle, full, config, record) for n, v in gathered.items()}
     if not keep:
         return {}
     state = {fqn: values[fqn] for _, entry in entries for fqn in entry.fqns if values.get(fqn)}
@@ -238,9 +241,9 @@ def _gather_handle(
     state: dict[int, dict[str, Any]],
     local_by_fqn: dict[str, dict[str, Any]],
     specs: dict[str, dict],
-) -> Iterable[tuple[str, dict[str, Any]]]:
-    """(fqn, {state name: full tensor view or scalar}) of the unit's parameters that have state anywhere; a scalar
-    is this rank's own where it has one, else another rank's."""
+) -> Iterable[tuple[str, ParamInfo, dict[str, Any]]]:
+    """(fqn, layout info, {state name: full tensor view or scalar}) of the unit's parameters that have state
+    anywhere; a scalar is this rank's own where it has one, else another rank's."""
     shard_numel = handle.local_shard.numel()
     pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
     infos = [(info, fqn) for _, e in unit_entries for info, fqn in zip(e.infos, e.fqns, strict=True)]
@@ -272,6 +275,7 @@ def _gather_handle(
         mine = local_by_fqn.get(fqn, {})
         yield (
             fqn,
+            info,
             {
                 name: gathered[name][info.offset : info.offset + info.numel].view(info.shape)
                 if is_tensor
@@ -294,14 +298,24 @@ def _in_torch_order(specs: dict[str, Any], use_orig_params: bool) -> list[tuple[
     return sorted(specs.items(), key=rank)
 
 
-def _save_value(value: Any, unit: FSDPUnit, handle: FlatParamHandle, full: bool, config: OptimStateDictConfig) -> Any:
+def _save_value(
+    value: Any,
+    unit: FSDPUnit,
+    handle: FlatParamHandle,
+    full: bool,
+    config: OptimStateDictConfig,
+    record: DTensorParam | None,
+) -> Any:
+    """One state of one parameter (`value`: whole over dp; the local piece of a DTensor parameter, which `record`
+    describes) as the checkpoint holds it: as the model's state dict holds the parameter."""
     if _is_scalar(value):
         return _copy_scalar(value)
     # NO_SHARD with use_orig_params keeps full tensors under SHARDED/LOCAL too, as torch does (not without).
     if full or (not handle.sharded and handle.use_orig_params):
-        return _copy(value, config.offload_to_cpu)  # never a view of the gather buffer (torch's CPU bug)
+        copy = _copy(value, config.offload_to_cpu)  # never a view of the gather buffer (torch's CPU bug)
+        return record.wrap(copy) if record is not None else copy
     if getattr(config, "_use_dtensor", False) or unit._device_mesh is not None:
-        return _chunk_dtensor(value, unit, config.offload_to_cpu)
+        return _chunk_dtensor(value, unit, config.offload_to_cpu, record)
     return _chunk_sharded_tensor(value, handle, config.offload_to_cpu)
 
 
@@ -363,7 +377,10 @@ def _to_load(
         ]
         if handle is not None:  # a parameter outside every unit has no layout to check against
             for fqn, info, values in zip(entry.fqns, entry.infos, fulls, strict=True):
-                _check_shapes(fqn, info, values)
+                record = handle.dtensors.get(info)
+                _check_shapes(fqn, values, record.shape if record is not None else info.shape)
+                if record is not None:  # the flat parameter holds this rank's tp piece of a DTensor parameter
+                    values.update((n, record.local_piece(v)) for n, v in values.items() if not _is_scalar(v))
         if handle is None:
             local = {n: _copy_scalar(v) if _is_scalar(v) else v.clone() for n, v in fulls[0].items()}
         elif not handle.use_orig_params:
@@ -398,14 +415,14 @@ def _by_clean_fqn(saved: dict[Any, Any], entries: dict[nn.Parameter, _Entry]) ->
     return states
 
 
-def _check_shapes(fqn: str, info: ParamInfo, values: dict[str, Any]) -> None:
+def _check_shapes(fqn: str, values: dict[str, Any], shape: torch.Size) -> None:
     # Slicing a state of another shape would load garbage silently (or fail far from the cause).
     for name, value in values.items():
-        if not _is_scalar(value) and value.shape != info.shape:
-            piece = value.dim() == 1 and value.numel() <= info.numel
+        if not _is_scalar(value) and value.shape != shape:
+            piece = value.dim() == 1 and value.numel() <= math.prod(shape)
             raise ValueError(
                 f"The optimizer state '{name}' of {fqn} has shape {tuple(value.shape)} but the parameter has shape "
-                f"{tuple(info.shape)}: load an optimizer state dict saved from this model (same architecture)."
+                f"{tuple(shape)}: load an optimizer state dict saved from this model (same architecture)."
                 + (
                     " It looks like one rank's flat piece rather than the whole state: a checkpoint saved from the "
                     "optimizer's own state_dict(), or by torch's DSD helpers without fsdp_legacy.install(), holds "

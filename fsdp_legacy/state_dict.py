@@ -48,6 +48,7 @@ from .convert.record import RECORD_SUFFIX, FlatParamRecord
 from .flat_param import ParamInfo
 from .handle import FlatParamHandle
 from .naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
+from .tensor_parallel import DTensorParam, sharded_dtensor
 from .unit import FSDPUnit, clean_fqn, fsdp_modules
 
 _CONFIG_TYPES = {
@@ -292,7 +293,7 @@ def _unsharded_values(
             if kind == StateDictType.FULL_STATE_DICT:  # what nn.Module saves: the parameter's detach()
                 values[key] = _copy(handle.typed(param, info).detach(), config.offload_to_cpu)
             elif getattr(config, "_use_dtensor", False) or unit._device_mesh is not None:
-                values[key] = _chunk_dtensor(param, unit, config.offload_to_cpu)
+                values[key] = _chunk_dtensor(param, unit, config.offload_to_cpu, handle.dtensors.get(info))
             else:
                 values[key] = _chunk_sharded_tensor(param, handle, config.offload_to_cpu)
     return values
@@ -383,7 +384,14 @@ def _chunk_sharded_tensor(param: torch.Tensor, handle: FlatParamHandle, offload_
     return _sharded_tensor(handle, param.shape, param.dtype, local, geometry)
 
 
-def _chunk_dtensor(param: torch.Tensor, unit: FSDPUnit, offload_to_cpu: bool) -> torch.Tensor:
+def _chunk_dtensor(
+    param: torch.Tensor, unit: FSDPUnit, offload_to_cpu: bool, record: DTensorParam | None = None
+) -> torch.Tensor:
+    """Dim-0 chunks over FSDP's mesh; over the 2-D mesh when FSDP's is sliced from one, as torch's FSDP1 does with
+    tensor parallelism (`param`: a DTensor parameter's local piece, of which `record` tells the rest)."""
+    two_d = sharded_dtensor(param, unit._device_mesh, record)
+    if two_d is not None:
+        return two_d.cpu() if offload_to_cpu and two_d.device.type != "cpu" else two_d
     chunks = param.chunk(unit.world_size)
     rank = unit.rank
     local = chunks[rank].clone() if rank < len(chunks) else param.new_empty((0, *param.shape[1:]))

@@ -159,9 +159,13 @@ def _load_by_name(
         if key not in values:
             missing_keys.append(key)
             continue
-        if not _check(_clean(key), values[key], info.shape, handle.local_shard.dtype, error_msgs):
+        record = handle.dtensors.get(info)  # a DTensor parameter is saved whole (global shape), stored as its piece
+        if not _check(
+            _clean(key), values[key], record.shape if record else info.shape, handle.local_shard.dtype, error_msgs
+        ):
             continue
-        full = _full_tensor(values[key], handle.group).reshape(-1)  # every rank joins, whatever it owns
+        full = _full_tensor(values[key], handle.group)  # every rank joins, whatever it owns
+        full = (record.local_piece(full) if record else full).reshape(-1)
         if not handle.sharded:
             handle.local_shard[info.offset : info.offset + info.numel].copy_(full)
         elif info in pieces:

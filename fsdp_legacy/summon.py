@@ -138,6 +138,13 @@ def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_gr
             param.data = views[info]
             if full_grad is not None and param.requires_grad:
                 param.grad = full_grad[info.offset : info.offset + info.numel].view(info.shape)
+        for module, name, info in handle._attributes():  # DTensor parameters are shown as DTensors, as in torch
+            if info in handle.dtensors:
+                param = handle.orig_params[info]
+                shown = handle.as_parameter(param.data, info, param.requires_grad)
+                if param.grad is not None:
+                    shown.grad = handle.typed_grad(param.grad, info)
+                module._parameters[name] = shown
         return
     unit.module._parameters.pop(handle.flat_name, None)
     requires_grad = handle.flat_param.requires_grad
@@ -145,7 +152,7 @@ def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_gr
     for info, view in views.items():
         param = handle.as_parameter(view, info, requires_grad)
         if full_grad is not None:
-            param.grad = full_grad[info.offset : info.offset + info.numel].view(info.shape)
+            param.grad = handle.typed_grad(full_grad[info.offset : info.offset + info.numel].view(info.shape), info)
         params[info] = param
     for module, name, info in handle._attributes():
         module.__dict__.pop(name, None)
@@ -154,6 +161,9 @@ def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_gr
 
 def _hide(unit: FSDPUnit, handle: FlatParamHandle) -> None:
     if handle.use_orig_params:
+        for module, name, info in handle._attributes():
+            if info in handle.dtensors:
+                module._parameters[name] = handle.orig_params[info]
         handle._use_sharded_orig_params()
         if not handle.is_unsharded or not handle.uses_buffer:
             handle._use_orig_grad_views()

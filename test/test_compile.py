@@ -302,6 +302,20 @@ def test_graphs_hold_the_blocks_code_and_nothing_of_the_runtime() -> None:
     run_on_ranks(_graphs_cover_blocks_only, 2, timeout=600)
 
 
+def _fullgraph_names_the_fix() -> None:
+    torch._dynamo.reset()
+    model = _build(Case(), ours=True)
+    with pytest.raises(Exception, match="FSDP unit's forward runs its all-gathers.*Compile without fullgraph=True"):
+        torch.compile(model, fullgraph=True)(tokens(0))
+    assert model(tokens(0)).isfinite()  # and the model still works (nothing half-done)
+
+
+def test_fullgraph_is_refused_with_the_fix_on_every_rank() -> None:
+    """A whole graph cannot hold the runtime's collectives: Dynamo's error carries our reason on every rank (torch's
+    FSDP1 fails there too), before any collective, so no rank hangs."""
+    run_on_ranks(_fullgraph_names_the_fix, 2, timeout=300)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # FSDP features on a compiled model, against torch's FSDP1 under the same compile
 

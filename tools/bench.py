@@ -12,6 +12,10 @@ every implementation the same per-rank batch. A step is forward + backward + SGD
 step. Timed steps run interleaved (A B C D A B C D ...) so drift on a shared machine hits all
 implementations alike; each step time is the slowest rank's, and the table shows the median.
 
+A ``-compiled`` model (``gpt-compiled``) is the same model and data with the whole wrapped model under
+``torch.compile`` (inductor), for the two FSDP1 implementations: its notes give each one's first step (compiling
+included, inductor's on-disk cache off so neither reuses the other's kernels). Its memory pass is skipped.
+
 A ``-bf16`` model (``gpt-bf16``) is the same model and data with bf16 mixed precision:
 FSDP1 (ours and torch) get ``MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32,
 buffer_dtype=bfloat16)``, FSDP2 gets ``MixedPrecisionPolicy(param_dtype=bfloat16,
@@ -55,8 +59,9 @@ from gpt import GPT, Block, DeepMLP, GPTConfig, MLPBlock
 from process_exit import exit_now
 
 IMPLS = ["ours", "torch_fsdp1", "fsdp2", "ddp"]
-MODELS = ["gpt", "gpt-bf16", "mlp"]
+MODELS = ["gpt", "gpt-bf16", "gpt-compiled", "mlp"]
 BF16_IMPLS = ["ours", "torch_fsdp1", "fsdp2"]  # implementations with a bf16 mixed-precision policy
+COMPILED_IMPLS = ["ours", "torch_fsdp1"]  # the compiled rows compare the two FSDP1 implementations
 BASELINE = "torch_fsdp1"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -73,9 +78,13 @@ class Workload:
     loss: Callable[[nn.Module], torch.Tensor]  # forward on the fixed batch
     desc: str
     bf16: bool = False  # bf16 mixed precision: bf16 compute, fp32 sharded params and grad reduction
+    compiled: bool = False  # the whole wrapped model under torch.compile
 
 
 def make_workload(name: str, rank: int, device: torch.device, seed: int) -> Workload:
+    if name.endswith("-compiled"):  # same model and data, compiled
+        wl = make_workload(name.removesuffix("-compiled"), rank, device, seed)
+        return replace(wl, compiled=True, desc=wl.desc + ", whole wrapped model under torch.compile (inductor)")
     if name.endswith("-bf16"):  # same model and data, bf16 mixed precision
         wl = make_workload(name.removesuffix("-bf16"), rank, device, seed)
         return replace(wl, bf16=True, desc=wl.desc + ", bf16 mixed precision")
@@ -145,9 +154,13 @@ class Runner:
         self.wl, self.device = wl, device
         self.model = wrap(impl, wl, device)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.forward: nn.Module = self.model
+        if wl.compiled:
+            torch._dynamo.reset()  # each implementation compiles its own graphs
+            self.forward = torch.compile(self.model)  # type: ignore[assignment]
 
     def step(self) -> None:
-        self.wl.loss(self.model).backward()
+        self.wl.loss(self.forward).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -199,6 +212,7 @@ class Row:
     ranks: int = 0
     times: list[float] = field(default_factory=list)  # seconds, slowest rank per step
     peak_mib: float | None = None
+    first_step_s: float | None = None  # compiled rows: the first step, compiling included
     errors: list[str] = field(default_factory=list)  # "phase: first line of the exception"
 
 
@@ -239,17 +253,26 @@ def guarded(row: Row, phase: str, fn: Callable[[], Any]) -> Any:
 def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> list[Row]:
     wl = make_workload(name, dist.get_rank(), device, args.seed)
     impls = [i for i in args.impls if i in BF16_IMPLS] if wl.bf16 else args.impls
+    if wl.compiled:
+        impls = [i for i in impls if i in COMPILED_IMPLS]
+        torch._inductor.config.fx_graph_cache = False  # each implementation pays its own compile
     rows = {impl: Row(name, impl, dist.get_world_size()) for impl in impls}
 
-    log(f"[{name}] memory pass: {', '.join(rows)}")
-    for impl, row in rows.items():
-        row.peak_mib = guarded(row, "memory pass", partial(measure_peak_mib, impl, wl, device))
+    if not wl.compiled:
+        log(f"[{name}] memory pass: {', '.join(rows)}")
+        for impl, row in rows.items():
+            row.peak_mib = guarded(row, "memory pass", partial(measure_peak_mib, impl, wl, device))
 
     log(f"[{name}] build + {args.warmup} warm-up steps each")
     runners: dict[str, Runner] = {}
     for impl, row in rows.items():
         runner = guarded(row, "build", partial(Runner, impl, wl, device))
-        if runner is not None and guarded(row, "warm-up", partial(runner.steps, args.warmup)):
+        if runner is None:
+            continue
+        if wl.compiled:
+            first = guarded(row, "first step", partial(timed_steps, runner, 1))
+            row.first_step_s = first[0] if first else None
+        if guarded(row, "warm-up", partial(runner.steps, args.warmup)):
             runners[impl] = runner
 
     for rnd in range(args.rounds):
@@ -303,7 +326,8 @@ def render(rows: list[Row], args: argparse.Namespace, descs: dict[str, str], env
         key = (r.model, r.ranks)
         ratio = f"{med / base[key]:.2f}x" if med is not None and key in base else "n/a"
         peak = f"{r.peak_mib:.1f}" if r.peak_mib is not None else "n/a"
-        notes = "; ".join(e[:120] for e in r.errors).replace("|", "\\|")
+        first = [f"first step {r.first_step_s:.1f} s (compiling)"] if r.first_step_s is not None else []
+        notes = "; ".join(first + [e[:120] for e in r.errors]).replace("|", "\\|")
         lines.append(f"| {r.model} | {r.ranks} | {r.impl} | {ms} | {ratio} | {peak} | {notes} |")
     lines += ["", "Models: " + "; ".join(f"`{m}` = {d}" for m, d in descs.items()) + "."]
     return "\n".join(lines)
