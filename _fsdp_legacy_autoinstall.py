@@ -13,6 +13,10 @@ from types import ModuleType
 from typing import Any
 
 TARGET = "torch.distributed.fsdp"
+PACKAGE = "fsdp_legacy"
+# Set when torch.distributed.fsdp was imported by fsdp_legacy's own import (convert/ imports DCP, which imports it):
+# install() must wait for the package to finish; its __init__ then calls it.
+pending = False
 
 
 def enabled() -> bool:
@@ -34,20 +38,28 @@ class InstallAfterImport(MetaPathFinder):
 
         def execute_then_install(module: ModuleType) -> None:
             execute(module)
-            import fsdp_legacy
-
-            fsdp_legacy.install()
+            install_when_ready()
 
         loader.exec_module = execute_then_install  # type: ignore[method-assign]  # this spec's own loader
         return spec
+
+
+def install_when_ready() -> None:
+    """fsdp_legacy.install(), or, while fsdp_legacy is itself being imported, a note for its __init__ to call it."""
+    global pending
+    package = sys.modules.get(PACKAGE)
+    if package is not None and getattr(getattr(package, "__spec__", None), "_initializing", False):
+        pending = True
+        return
+    import fsdp_legacy
+
+    fsdp_legacy.install()
 
 
 def hook() -> None:
     if not enabled() or any(isinstance(f, InstallAfterImport) for f in sys.meta_path):
         return
     if TARGET in sys.modules:  # already imported (by a sitecustomize, say): install now
-        import fsdp_legacy
-
-        fsdp_legacy.install()
+        install_when_ready()
     else:
         sys.meta_path.insert(0, InstallAfterImport())

@@ -5,6 +5,8 @@ from fsdp_legacy.wrap import ModuleWrapPolicy
 model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
 """
 
+import sys
+
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -26,6 +28,13 @@ from .compat import install, installed, uninstall
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
+
+# FSDP_LEGACY=1 with fsdp_legacy imported first: this import brought in torch.distributed.fsdp, and the switch's hook
+# (_fsdp_legacy_autoinstall.py) left install() to the end of it.
+_hook = sys.modules.get("_fsdp_legacy_autoinstall")
+if getattr(_hook, "pending", False):
+    setattr(_hook, "pending", False)
+    install()
 
 __all__ = [
     "BackwardPrefetch",

@@ -1,4 +1,4 @@
-"""Offline checkpoint conversion (fsdp_legacy.convert, tools/convert_checkpoint.py): LOCAL (flat) <-> DCP in FSDP2's
+"""Offline checkpoint conversion (fsdp_legacy.convert, `fsdp-legacy convert`): LOCAL (flat) <-> DCP in FSDP2's
 layout <-> one full torch.save file, model and optimizer, run in the pytest process with no process group.
 
 Oracles: the FULL model and optimizer state dicts of the model that saved the checkpoint (exact equality), torch's
@@ -284,7 +284,9 @@ def test_our_per_rank_local_files(tmp_path, config: Config) -> None:
 
     command = [
         sys.executable,
-        os.path.join(REPO, "tools", "convert_checkpoint.py"),
+        "-m",
+        "fsdp_legacy",
+        "convert",
         str(ranks),
         str(tmp_path / "dcp"),
         "--to",
@@ -379,7 +381,7 @@ def test_command_line(tmp_path) -> None:
     expected = run_on_ranks(_save_local, 2, config, str(tmp_path / "local"))[0]
 
     def convert(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, os.path.join(REPO, "tools", "convert_checkpoint.py"), *args]
+        command = [sys.executable, "-m", "fsdp_legacy", "convert", *args]
         return subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
 
     done = convert(str(tmp_path / "local"), str(tmp_path / "full.pt"), "--to", "full")
@@ -389,4 +391,4 @@ def test_command_line(tmp_path) -> None:
     again = convert(str(tmp_path / "local"), str(tmp_path / "full.pt"), "--to", "full")
     assert again.returncode == 2 and "exists" in again.stderr and "--overwrite" in again.stderr
     bad = convert(str(tmp_path / "nothing"), str(tmp_path / "x.pt"), "--to", "full")
-    assert bad.returncode == 1 and "nothing does not exist" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "nothing does not exist" in bad.stderr and "Traceback" not in bad.stderr

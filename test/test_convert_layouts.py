@@ -1,5 +1,5 @@
 """The converter's sources in the layouts FSDP1 users have, and its safetensors target (fsdp_legacy.convert,
-tools/convert_checkpoint.py --from / --to safetensors).
+`fsdp-legacy convert --from / --to safetensors`).
 
 Inputs are written by the libraries themselves: verl's per-rank files with torch's own calls, as verl's
 FSDPCheckpointManager makes them (torch's FSDP1 under SHARDED_STATE_DICT, or FSDP2; torch.save of the model's and
@@ -294,8 +294,8 @@ def test_safetensors_from_verl_loads_with_load_full_model(tmp_path: Path) -> Non
     as stored; load_full_model accepts that.)"""
     directory, expected = _verl(tmp_path, "fsdp2")
     done = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), str(directory), str(tmp_path / "hf"), "--to",
-         "safetensors", "--max-shard-size", "2KB", "--quiet"],
+        [sys.executable, "-m", "fsdp_legacy", "convert", str(directory), str(tmp_path / "hf"), "--to", "safetensors",
+         "--max-shard-size", "2KB", "--quiet"],
         capture_output=True, text=True, cwd=REPO, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -328,7 +328,7 @@ def test_detection_and_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"several layouts \(accelerate, safetensors\): pass --from"):
         convert_checkpoint(str(both), str(tmp_path / "x.pt"), to="full")
     convert_checkpoint(str(both), str(tmp_path / "x.pt"), to="full", source_layout="safetensors")
-    command = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), str(both), str(tmp_path / "cli")]
+    command = [sys.executable, "-m", "fsdp_legacy", "convert", str(both), str(tmp_path / "cli")]
     done = subprocess.run(
         [*command, "--to", "safetensors", "--from", "safetensors", "--dtype", "fp16", "--quiet"],
         capture_output=True, text=True, cwd=REPO, check=False,

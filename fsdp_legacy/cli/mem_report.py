@@ -1,0 +1,313 @@
+"""`fsdp-legacy mem-report`: each rank's predicted peak memory (fsdp_legacy.memory.estimate_memory), per phase and
+world size, before a run is launched."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..api import CPUOffload, MixedPrecision, ShardingStrategy
+from ..memory import MemoryProfile, Phase, estimate_memory
+from ..memory.table import markdown, unit_for
+from ..wrap import ModuleWrapPolicy
+from .common import EXIT_CODES, EXIT_OK, UsageError, progress
+from .gpt import CONFIGS, GPT, Block
+
+HELP = "predict each rank's peak memory for a model, world sizes and FSDP settings, allocating nothing"
+
+DESCRIPTION = """Predict per-rank peak memory of FSDP training before launching it: the wrap plan, then the peaks of
+forward, backward, the optimizer step and the rest (construction included) at each world size.
+
+Nothing is allocated and no ranks are started: the model is built on fake tensors and trained for --steps steps on a
+fake process group of each world size (fsdp_legacy.memory.estimate_memory), with the same code as a real run. A 6.6 B
+GPT on 64 ranks takes seconds; estimates are within 10% of measured peaks (docs/memory.md).
+
+--model picks a built-in GPT; --module pkg.mod:factory names a function returning your plain model (the current
+directory is importable), whose forward takes a (batch, seq) tensor of token ids (--vocab-size values) and returns
+logits, or a tuple whose first element is the loss or the logits. --wrap names the module class each FSDP unit wraps
+(default: the built-in GPT's Block; required with --module)."""
+
+EXAMPLES = f"""examples:
+  fsdp-legacy mem-report --model gpt-7b --world-sizes 8,64 --mixed-precision bf16
+  fsdp-legacy mem-report --model gpt-small --world-sizes 1,2,4 --sharding-strategy SHARD_GRAD_OP --details
+  fsdp-legacy mem-report --module mypkg.models:build --wrap mypkg.models.Layer --batch 4x2048 --world-sizes 64
+  fsdp-legacy mem-report --model gpt-1b --world-sizes 8 --offload --json      # bytes, for scripts
+
+{EXIT_CODES}"""
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+}
+PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.OTHER)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "mem-report",
+        help=HELP,
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--model", default="gpt-small", choices=list(CONFIGS), help="a built-in GPT (default gpt-small)"
+    )
+    source.add_argument("--module", help="pkg.mod:factory, a function returning your plain model")
+    p.add_argument("--wrap", help="dotted class of the FSDP unit, e.g. mypkg.models.Layer (default: the GPT's Block)")
+    p.add_argument("--vocab-size", type=int, default=32000, help="token ids for --module models (default 32000)")
+    p.add_argument("--batch", type=_batch, help="BATCHxSEQ, e.g. 4x2048 (default: the model's, 1x2048 for --module)")
+    p.add_argument("--world-sizes", type=_world_sizes, default=[1, 2, 8, 64], help="comma-separated (default 1,2,8,64)")
+    p.add_argument("--sharding-strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy])
+    p.add_argument("--mixed-precision", default="fp32", choices=list(PRECISIONS))
+    p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
+    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
+    p.add_argument("--steps", type=int, default=2, help="training steps per estimate (2: with optimizer state)")
+    p.add_argument("--details", action="store_true", help="also print each estimate's per-category tables")
+    p.add_argument("--plot", help="PNG file for the peaks per world size (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the wrap plan and peaks (bytes) as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def _batch(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not BATCHxSEQ, e.g. 4x2048")
+    return int(parts[0]), int(parts[1])
+
+
+def _world_sizes(text: str) -> list[int]:
+    sizes = [part.strip() for part in text.split(",") if part.strip()]
+    if not sizes or not all(size.isdigit() and int(size) > 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of world sizes, e.g. 1,8,64")
+    return [int(size) for size in sizes]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    build: Callable[[], nn.Module]
+    unit: type[nn.Module]
+    vocab_size: int
+    batch: tuple[int, int]
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    if args.module:
+        if not args.wrap:
+            raise UsageError(
+                f"--module {args.module} needs --wrap: the dotted class of the module each FSDP unit wraps (your "
+                "transformer layer, e.g. mypkg.models.Layer)."
+            )
+        path, _, factory = args.module.partition(":")
+        build = _resolve(path, factory or "build", f"--module {args.module}")
+        if not callable(build):
+            raise UsageError(f"--module {args.module}: {factory or 'build'} is not a function returning a model.")
+        return Workload(args.module, build, _class(args.wrap), args.vocab_size, args.batch or (1, 2048))
+    config, batch = CONFIGS[args.model]
+    batch = args.batch or batch
+    if batch[1] > config.block_size:
+        raise UsageError(f"--batch {batch[0]}x{batch[1]}: {args.model} takes sequences of at most {config.block_size}.")
+    unit = _class(args.wrap) if args.wrap else Block
+    return Workload(args.model, lambda: GPT(config), unit, config.vocab_size, batch)
+
+
+def _resolve(module: str, name: str, what: str) -> Any:
+    if os.getcwd() not in sys.path:  # as `python -m` would: the user's package from where they run the command
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as error:
+        raise UsageError(f"{what}: cannot import {module} ({error}); run from the directory that holds it.") from None
+    except AttributeError:
+        raise UsageError(f"{what}: {module} has no {name}.") from None
+
+
+def _class(dotted: str) -> type[nn.Module]:
+    module, _, name = dotted.rpartition(".")
+    if not module:
+        raise UsageError(f"--wrap {dotted}: give the class with its module, e.g. mypkg.models.{dotted}.")
+    found = _resolve(module, name, f"--wrap {dotted}")
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise UsageError(f"--wrap {dotted} is not an nn.Module class.")
+    return found
+
+
+def loss_fn(work: Workload) -> Callable[[nn.Module, int], torch.Tensor]:
+    def loss(model: nn.Module, step: int) -> torch.Tensor:
+        tokens = torch.randint(0, work.vocab_size, work.batch)
+        if isinstance(model.module, GPT):
+            return model(tokens, tokens)[1]
+        out = model(tokens)
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        if out.dim() == 0:  # the model's own loss
+            return out
+        return F.cross_entropy(out.float().flatten(0, -2), tokens.flatten())
+
+    return loss
+
+
+def fsdp_kwargs(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        auto_wrap_policy=ModuleWrapPolicy({work.unit}), sharding_strategy=ShardingStrategy[args.sharding_strategy]
+    )
+    low = PRECISIONS[args.mixed_precision]
+    if low is not None:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+    if args.offload:
+        kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+    return kwargs
+
+
+def wrap_plan(work: Workload) -> dict[str, Any]:
+    """Units and their parameter counts, from a meta-device model (no memory)."""
+    with torch.device("meta"):
+        model = work.build()
+    units = [(name, m) for name, m in model.named_modules() if isinstance(m, work.unit)]
+    inside = {id(p) for _, m in units for p in m.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    sizes = [(name, sum(p.numel() for p in m.parameters())) for name, m in units]
+    largest = max(sizes, key=lambda s: s[1], default=("(root)", root))
+    return {
+        "unit_class": work.unit.__name__,
+        "units": dict(sizes),
+        "root_parameters": root,
+        "parameters": root + sum(count for _, count in sizes),
+        "largest_unit": {"name": largest[0], "parameters": largest[1]},
+    }
+
+
+def plan_text(plan: dict[str, Any]) -> str:
+    sizes = plan["units"]
+    lines = [
+        f"Wrap plan: {len(sizes)} {plan['unit_class']} units + the root; {plan['parameters']:,} parameters",
+        f"  root (outside units): {plan['root_parameters']:,}",
+        f"  largest unit: {plan['largest_unit']['name']} with {plan['largest_unit']['parameters']:,}",
+    ]
+    if sizes:
+        counts = list(sizes.values())
+        lines.append(
+            f"  per unit: {counts[0]:,}"
+            if len(set(counts)) == 1
+            else "  units: " + ", ".join(f"{n}={c:,}" for n, c in sizes.items())
+        )
+    return "\n".join(lines)
+
+
+def report(profiles: dict[int, MemoryProfile], seconds: dict[int, float]) -> str:
+    unit, div = unit_for(max(p.peak() for p in profiles.values()))
+    rows = [
+        [ws, *(f"{p.peak(ph) / div:,.2f}" for ph in PHASES), f"{p.peak() / div:,.2f}", f"{seconds[ws]:.1f}"]
+        for ws, p in profiles.items()
+    ]
+    headers = ["world size", *(ph.value for ph in PHASES), "peak", "estimate (s)"]
+    return f"Predicted peak per rank ({unit}; 'other' includes construction)\n\n" + markdown(headers, rows)
+
+
+def plot(profiles: dict[int, MemoryProfile], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    unit, div = unit_for(max(p.peak() for p in profiles.values()))
+    sizes = list(profiles)
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for phase in PHASES[:3]:
+        ax.plot(sizes, [profiles[ws].peak(phase) / div for ws in sizes], marker="o", label=phase.value)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(ws) for ws in sizes])
+    ax.set_xlabel("world size")
+    ax.set_ylabel(f"predicted peak per rank ({unit})")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked before minutes of estimating, not after)
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install matplotlib (or 'fsdp_legacy[plot]').") from None
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: estimate at least one step (2 include the optimizer state).")
+    work = workload(args)
+    plan = wrap_plan(work)
+    setup = (
+        f"{args.sharding_strategy}, {args.mixed_precision}{', CPU offload' if args.offload else ''}, "
+        f"{args.optimizer}, batch {work.batch[0]}x{work.batch[1]}"
+    )
+    profiles: dict[int, MemoryProfile] = {}
+    seconds: dict[int, float] = {}
+    for ws in progress(args.world_sizes, len(args.world_sizes), "estimating", args.quiet):
+        start = time.perf_counter()
+        with warnings.catch_warnings():  # e.g. FSDP's "switching to NO_SHARD" at world size 1
+            warnings.simplefilter("ignore")
+            profiles[ws] = estimate_memory(
+                work.build, loss_fn(work), ws, fsdp_kwargs(args, work), OPTIMIZERS[args.optimizer], args.steps
+            )
+        seconds[ws] = time.perf_counter() - start
+    if args.json:
+        print(json.dumps(_as_json(args, work, plan, profiles, seconds), indent=2))
+        return EXIT_OK
+    print(plan_text(plan), end="\n\n")
+    print(setup, end="\n\n")
+    if args.details:
+        for ws, profile in profiles.items():
+            print(f"world size {ws}\n\n{profile.table()}\n")
+    print(report(profiles, seconds))
+    if args.plot:
+        plot(profiles, Path(args.plot), f"{work.name}: {setup}")
+        print(f"\nwrote {args.plot}")
+    return EXIT_OK
+
+
+def _as_json(
+    args: argparse.Namespace,
+    work: Workload,
+    plan: dict[str, Any],
+    profiles: dict[int, MemoryProfile],
+    seconds: dict[int, float],
+) -> dict[str, Any]:
+    return {
+        "model": work.name,
+        "setup": {
+            "sharding_strategy": args.sharding_strategy,
+            "mixed_precision": args.mixed_precision,
+            "offload": args.offload,
+            "optimizer": args.optimizer,
+            "batch": list(work.batch),
+            "steps": args.steps,
+        },
+        "wrap_plan": plan,
+        "estimates": [
+            {
+                "world_size": ws,
+                "peak_bytes": {**{ph.value: profile.peak(ph) for ph in PHASES}, "peak": profile.peak()},
+                "seconds": round(seconds[ws], 3),
+            }
+            for ws, profile in profiles.items()
+        ],
+    }
