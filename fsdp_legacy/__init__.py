@@ -6,6 +6,7 @@ model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
 """
 
 import sys
+from typing import Any
 
 from .api import (
     BackwardPrefetch,
@@ -31,9 +32,9 @@ from .sharded_grad_scaler import ShardedGradScaler
 
 # FSDP_LEGACY=1 with fsdp_legacy imported first: this import brought in torch.distributed.fsdp, and the switch's hook
 # (_fsdp_legacy_autoinstall.py) left install() to the end of it.
-_hook = sys.modules.get("_fsdp_legacy_autoinstall")
+_hook: Any = sys.modules.get("_fsdp_legacy_autoinstall")
 if getattr(_hook, "pending", False):
-    setattr(_hook, "pending", False)
+    _hook.pending = False
     install()
 
 __all__ = [
