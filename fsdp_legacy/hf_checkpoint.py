@@ -11,8 +11,15 @@ a time (point to point, into one shard-sized buffer), so rank 0 holds at most on
 buffer, and the other ranks hold nothing extra. Loading reads, on every rank, only the bytes of each tensor that its
 shard holds (a range of a flattened tensor is one run of bytes in a safetensors file), straight into the local shard.
 Neither needs the safetensors package: the format is a length, a JSON header and the raw bytes.
+
+Failures (docs/failures.md): every rank talks to rank 0 only, and the ranks agree on the outcome at fixed points
+(`_Peers.agree`), so a failure anywhere, a rank's death included, raises the same error on every rank and leaves no
+send or receive unmatched: a save agrees after preparing the destination, and again after the data before rank 0
+renames the new directory into place; a load agrees after every rank has checked the files (before the model is
+touched), and again after reading.
 """
 
+import builtins
 import contextlib
 import json
 import math
@@ -26,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from .convert import errors
 from .convert.atomic import atomic_directory
 from .flat_param import FlatParameter, ParamInfo
 from .handle import FlatParamHandle
@@ -33,13 +41,14 @@ from .naming import join_fqn
 from .safetensors_io import (
     BIN_INDEX,
     BIN_WEIGHTS,
-    BY_NAME,
     DTYPES,
     SAFE_INDEX,
     SAFE_WEIGHTS,
+    SAVE_ID,
     SafetensorsWriter,
+    WeightsDirectory,
+    new_save_id,
     plan_shards,
-    read_header,
     shard_names,
     write_index,
 )
@@ -120,13 +129,155 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _stream_unit(handle: FlatParamHandle, wanted: dict[ParamInfo, _Entry], sink: Callable | None) -> None:
+# --------------------------------------------------------------------------------------------------------------------
+# Agreeing on the outcome
+
+
+class _Peers:
+    """The ranks of one save or load, kept in step. Every rank talks to rank 0 only (shards and outcomes go through
+    it), so a rank that dies shows up at rank 0 as a closed connection and rank 0's death at every other rank, never
+    as a wait on a rank that cannot answer; rank 0 leaves a dead rank out from then on. A rank's own failure does not
+    stop it: it keeps every send and receive of the protocol (sending zeros, writing nothing) until the next
+    agreement, where every rank raises the same error."""
+
+    def __init__(self, frame: Callable[[str], str]) -> None:
+        self.frame = frame  # a cause -> the message every rank raises
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.device = _comm_device()
+        self.failure: BaseException | None = None  # this rank's first failure since the last agreement
+        self.gone: dict[int, BaseException] = {}  # on rank 0: the ranks found dead, and the error that told
+
+    def note(self, error: BaseException) -> None:
+        if self.failure is None:
+            self.failure = error
+
+    def send(self, tensor: torch.Tensor) -> None:
+        """To rank 0; raises the agreed error at once if rank 0 is gone (there is no one left to agree with)."""
+        try:
+            dist.send(tensor, 0)
+        except RuntimeError as error:
+            raise self._lost_rank_zero() from error
+
+    def receive(self, tensor: torch.Tensor, peer: int) -> bool:
+        """On rank 0, from `peer`: False (and `peer` is gone) when it died."""
+        try:
+            dist.recv(tensor, peer)
+        except RuntimeError as error:
+            self.gone[peer] = error
+            return False
+        return True
+
+    def agree(self, commit: Callable[[], None] | None = None) -> None:
+        """Every rank's outcome so far meets at rank 0, which sends back the verdict: the first failure by rank (rank
+        0's, then the others', then a dead rank), or else the outcome of `commit`, which rank 0 runs first. A failure
+        raises the same error (type and message) on every rank."""
+        failure, self.failure = self.failure, None
+        if self.rank != 0:
+            self._send_text(_encode(failure, self.rank), 0)
+            verdict = self._receive_text(0)
+            if verdict:
+                raise _decode(verdict, self.frame) from failure
+            return
+        verdicts = [_encode(failure, 0)] if failure is not None else []
+        answered = []
+        for peer in range(1, self.size):
+            if peer in self.gone:
+                continue
+            text = self._text_from(peer)
+            if text is not None:
+                answered.append(peer)
+                verdicts += [text] if text else []
+        verdicts += [_encode(_Gone(f"rank {peer} stopped answering"), 0) for peer in sorted(self.gone)]
+        if not verdicts and commit is not None:
+            try:
+                commit()
+            except Exception as error:
+                failure = error
+                verdicts.append(_encode(error, 0))
+        for peer in answered:
+            with contextlib.suppress(RuntimeError):  # it died since it answered: nothing of it waits any more
+                self._send_text(verdicts[0] if verdicts else "", peer)
+        if verdicts:
+            raise _decode(verdicts[0], self.frame) from failure or next(iter(self.gone.values()), None)
+
+    def _lost_rank_zero(self) -> Exception:
+        return _decode(_encode(_Gone("rank 0 stopped answering"), 0), self.frame)
+
+    def _send_text(self, text: str, peer: int) -> None:
+        data = (
+            torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
+        )
+        try:
+            dist.send(torch.tensor([data.numel()], device=self.device), peer)
+            if data.numel():
+                dist.send(data.to(self.device), peer)
+        except RuntimeError as error:
+            if self.rank == 0:
+                raise
+            raise self._lost_rank_zero() from error
+
+    def _receive_text(self, peer: int) -> str:
+        try:
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+            dist.recv(size, peer)
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+            if data.numel():
+                dist.recv(data, peer)
+        except RuntimeError as error:
+            if self.rank == 0:
+                raise
+            raise self._lost_rank_zero() from error
+        return bytes(data.cpu().numpy()).decode()
+
+    def _text_from(self, peer: int) -> str | None:
+        try:
+            return self._receive_text(peer)
+        except RuntimeError as error:
+            self.gone[peer] = error
+            return None
+
+
+class _Gone(RuntimeError):
+    """A rank that stopped answering: killed, crashed, or slower than the process group's timeout."""
+
+
+def _encode(error: BaseException | None, rank: int) -> str:
+    if error is None:
+        return ""
+    if isinstance(error, _Gone):
+        cause = f"{error} (it was killed or crashed: its connection closed, or it outran the process group's timeout)"
+        return json.dumps(["RuntimeError", None, cause])
+    cause = str(error) or type(error).__name__
+    if rank:
+        cause = f"{cause.rstrip('.')} (on rank {rank})"
+    return json.dumps([type(error).__name__, getattr(error, "errno", None), cause])
+
+
+_OURS = {cls.__name__: cls for cls in (errors.CheckpointError, errors.DestinationMissing, errors.DestinationKind)}
+
+
+def _decode(verdict: str, frame: Callable[[str], str]) -> Exception:
+    """The agreed error, rebuilt alike on every rank: its type where it is a builtin or ours, else RuntimeError."""
+    name, errno, cause = json.loads(verdict)
+    kind = _OURS.get(name) or getattr(builtins, name, None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        kind = RuntimeError
+    try:
+        error = kind(frame(cause))
+    except Exception:  # an exception class whose constructor wants other arguments
+        error = RuntimeError(frame(cause))
+    if isinstance(error, OSError) and errno is not None:
+        error.errno = errno
+    return error
+
+
+def _stream_unit(handle: FlatParamHandle, wanted: dict[ParamInfo, _Entry], sink: Callable, peers: _Peers) -> None:
     """Every rank calls it for the same unit and `wanted` parameters; rank 0's `sink(entry, first element, piece)`
     receives each piece of each wanted parameter. The other ranks of rank 0's shard group send the span of their
-    shard holding wanted pieces, one rank at a time, into one buffer on rank 0."""
+    shard holding wanted pieces, one rank at a time, into one buffer on rank 0; a rank found dead is skipped."""
     me = dist.get_rank()
     if not handle.sharded:
-        if me == 0 and sink is not None:
+        if me == 0:
             for info, entry in wanted.items():
                 sink(entry, 0, handle.local_shard[info.offset : info.offset + info.numel])
         return
@@ -140,26 +291,32 @@ def _stream_unit(handle: FlatParamHandle, wanted: dict[ParamInfo, _Entry], sink:
             return [], 0, 0
         return pieces, pieces[0].offset_in_shard, pieces[-1].offset_in_shard + pieces[-1].numel_in_shard
 
+    dtype = handle.local_shard.dtype
     if me != 0:
         pieces, lo, hi = span(handle.rank)
         if pieces:
-            dist.send(handle.local_shard[lo:hi].to(_comm_device()).contiguous(), dst=0)
+            try:
+                data = handle.local_shard[lo:hi].to(peers.device).contiguous()
+            except Exception as error:  # rank 0 still waits for this many elements
+                peers.note(error)
+                data = torch.zeros(hi - lo, dtype=dtype, device=peers.device)
+            peers.send(data)
         return
     buffer: torch.Tensor | None = None
     for group_rank, global_rank in enumerate(ranks):
         pieces, lo, hi = span(group_rank)
-        if not pieces:
+        if not pieces or global_rank in peers.gone:
             continue
         if global_rank == 0:
             shard = handle.local_shard[lo:hi]
         else:
-            if buffer is None or buffer.numel() < hi - lo:
-                buffer = torch.empty(handle.layout.shard_numel, dtype=handle.local_shard.dtype, device=_comm_device())
+            if buffer is None:
+                buffer = torch.empty(handle.layout.shard_numel, dtype=dtype, device=peers.device)
             shard = buffer[: hi - lo]
-            dist.recv(shard, src=global_rank)
+            if not peers.receive(shard, global_rank):
+                continue
         for piece in pieces:
             start = piece.offset_in_shard - lo
-            assert sink is not None
             sink(wanted[piece.info], piece.start_in_param, shard[start : start + piece.numel_in_shard])
     del buffer
 
@@ -169,16 +326,8 @@ def _plan(entries: list[_Entry], max_size: int, out: Callable[[_Entry], torch.dt
     return [[entries[i] for i in group] for group in groups]
 
 
-class _SafetensorsFile(SafetensorsWriter):
-    def __init__(self, path: str, entries: list[_Entry], out: Callable[[_Entry], torch.dtype]) -> None:
-        for entry in entries:
-            if out(entry) not in DTYPES:
-                raise ValueError(f"{entry.key}: safetensors cannot store {out(entry)}; pass safe_serialization=False")
-        super().__init__(path, [(entry.key, entry.shape, out(entry)) for entry in entries])
-
-
-def _write_piece(file: _SafetensorsFile, entry: _Entry, first: int, piece: torch.Tensor, dtype: torch.dtype) -> None:
-    file.write(entry.key, first, piece)  # (a module-level seam: the atomicity test makes it fail)
+def _write_piece(file: SafetensorsWriter, entry: _Entry, first: int, piece: torch.Tensor) -> None:
+    file.write(entry.key, first, piece)  # (a module-level seam: the fault tests make it fail)
 
 
 @torch.no_grad()
@@ -196,46 +345,56 @@ def save_full_model(
 
     safetensors (the default) is streamed: rank 0's extra memory is one shard of one unit plus a write buffer, the
     other ranks' none. `safe_serialization=False` writes torch.save files, which cannot be streamed: each file is
-    assembled in memory, so rank 0 holds up to `max_shard_size` bytes. The directory is replaced atomically: a failure
-    leaves the previous one (or none) in place, and raises on every rank.
+    assembled in memory, so rank 0 holds up to `max_shard_size` bytes. The directory is replaced atomically, and every
+    file of it carries the save's identity (so that a directory mixed from two saves is refused on load). A failure
+    anywhere, on any rank (a missing or unwritable destination, a full disk, a rank killed), raises the same error on
+    every rank and leaves the previous directory (or none) in place.
     """
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype}: only a floating-point dtype can be saved to")
-    entries, handles = _collect(model)
-    for handle in handles:
-        handle.writeback_orig_params()  # use_orig_params: a replaced .data counts, as before an all-gather
+    peers = _Peers(
+        lambda cause: (
+            f"save_full_model could not save {directory}: {cause.rstrip('.')}. Nothing was replaced: the "
+            "previous checkpoint there, if any, is intact."
+        )
+    )
+    writer = peers.rank == 0
+    with contextlib.ExitStack() as stack:  # rank 0: the temporary directory and its open files
+        shards: list[list[_Entry]] = []
+        names: list[str] = []
+        handles: list[FlatParamHandle] = []
+        files: dict[str, SafetensorsWriter] = {}
+        tmp, save_id = "", new_save_id()
 
-    def out(entry: _Entry) -> torch.dtype:
-        return dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
+        def out(entry: _Entry) -> torch.dtype:
+            return dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
 
-    shards = _plan(entries, _parse_size(max_shard_size), out)
-    names = shard_names(len(shards), SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS)
-    writer = dist.get_rank() == 0
-    failure: BaseException | None = None
-    try:
-        with contextlib.ExitStack() as stack:
-            tmp = ""
+        try:
+            entries, handles = _collect(model)
+            for handle in handles:
+                handle.writeback_orig_params()  # use_orig_params: a replaced .data counts, as before an all-gather
+            unstorable = [f"{e.key} ({out(e)})" for e in entries if safe_serialization and out(e) not in DTYPES]
+            if unstorable:
+                raise ValueError(f"safetensors cannot store {', '.join(unstorable)}: pass safe_serialization=False")
+            shards = _plan(entries, _parse_size(max_shard_size), out)
+            names = shard_names(len(shards), SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS)
             if writer:
-                try:
-                    tmp = stack.enter_context(atomic_directory(directory))
-                except Exception as error:
-                    failure = error
-            sink_failure = _write_all(tmp, shards, names, handles, out, safe_serialization, failure is None and writer)
-            failure = failure or sink_failure
-            if writer and failure is None and len(shards) > 1:
-                _write_index(tmp, shards, names, out, safe_serialization)
-            if failure is not None:
-                raise failure
-    except Exception as error:
-        if not writer:
-            raise
-        failure = error
-    verdict = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-    dist.broadcast_object_list(verdict, src=0)
-    if failure is not None:
-        raise failure
-    if verdict[0] is not None:
-        raise RuntimeError(f"save_full_model: rank 0 could not write {directory}: {verdict[0]}")
+                tmp = stack.enter_context(atomic_directory(directory))
+                for shard, name in zip(shards, names, strict=True) if safe_serialization else ():
+                    tensors = [(e.key, e.shape, out(e)) for e in shard]
+                    file = SafetensorsWriter(os.path.join(tmp, name), tensors, {SAVE_ID: save_id})
+                    stack.callback(file.close)
+                    files.update((entry.key, file) for entry in shard)
+        except Exception as error:
+            peers.note(error)
+        peers.agree()  # the destination is ready on rank 0, or every rank raises
+        _write_all(tmp, shards, names, handles, out, files if safe_serialization else None, peers)
+        if writer and peers.failure is None and len(shards) > 1:
+            try:
+                _write_index(tmp, shards, names, out, safe_serialization, save_id)
+            except Exception as error:
+                peers.note(error)
+        peers.agree(commit=stack.close)  # every rank's data arrived: rank 0 renames the directory into place
 
 
 def _write_all(
@@ -244,21 +403,20 @@ def _write_all(
     names: list[str],
     handles: list[FlatParamHandle],
     out: Callable[[_Entry], torch.dtype],
-    safe: bool,
-    writing: bool,
-) -> BaseException | None:
-    """Stream every tensor to rank 0 and (while `writing`) write it. A failure on rank 0 stops the writing but not the
-    transfers, so the other ranks are never left blocked in a send; it is returned."""
-    failure: BaseException | None = None
+    files: dict[str, SafetensorsWriter] | None,
+    peers: _Peers,
+) -> None:
+    """Stream every tensor to rank 0, which writes it into `files` (safetensors, by key) or, when None, assembles and
+    torch.saves each file. A failure on rank 0 stops the writing but not the transfers: no rank is left in a send."""
+    writing = peers.rank == 0
 
     def guarded(write: Callable[[_Entry, int, torch.Tensor], None]) -> Callable[[_Entry, int, torch.Tensor], None]:
         def sink(entry: _Entry, first: int, piece: torch.Tensor) -> None:
-            nonlocal failure
-            if failure is None and writing:
+            if peers.failure is None:
                 try:
                     write(entry, first, piece)
                 except Exception as error:
-                    failure = error
+                    peers.note(error)
 
         return sink
 
@@ -269,53 +427,51 @@ def _write_all(
                 units.setdefault(entry.unit, {})[entry.info] = entry
         return units
 
-    if safe:
-        files: dict[str, _SafetensorsFile] = {}
-        with contextlib.ExitStack() as stack:
-            if writing:
-                try:
-                    for shard, name in zip(shards, names, strict=True):
-                        file = _SafetensorsFile(os.path.join(tmp, name), shard, out)
-                        stack.callback(file.close)
-                        files.update((entry.key, file) for entry in shard)
-                except Exception as error:
-                    failure = error
-            sink = guarded(lambda e, first, piece: _write_piece(files[e.key], e, first, piece, out(e)))
-            all_entries = [entry for shard in shards for entry in shard]
-            for index, wanted in by_unit(all_entries).items():
-                _stream_unit(handles[index], wanted, sink if writing else None)
-            for entry in all_entries:
-                if entry.tensor is not None:
-                    sink(entry, 0, entry.tensor.detach())
-        return failure
+    def stream(group: list[_Entry], sink: Callable) -> None:
+        for index, wanted in by_unit(group).items():
+            _stream_unit(handles[index], wanted, sink, peers)
+        for entry in group if writing else ():
+            if entry.tensor is not None:
+                sink(entry, 0, entry.tensor.detach())
+
+    if files is not None:
+        stream(
+            [entry for shard in shards for entry in shard], guarded(lambda e, i, p: _write_piece(files[e.key], e, i, p))
+        )
+        return
     for shard, name in zip(shards, names, strict=True):
-        tensors = {e.key: torch.empty(e.shape, dtype=out(e)) for e in shard} if writing else {}
+        tensors: dict[str, torch.Tensor] = {}
+        if writing and peers.failure is None:
+            try:
+                tensors = {e.key: torch.empty(e.shape, dtype=out(e)) for e in shard}
+            except Exception as error:  # (out of memory)
+                peers.note(error)
 
         def fill(entry: _Entry, first: int, piece: torch.Tensor, tensors: dict = tensors) -> None:
             tensors[entry.key].view(-1)[first : first + piece.numel()].copy_(piece.reshape(-1))
 
-        sink = guarded(fill)
-        for index, wanted in by_unit(shard).items():
-            _stream_unit(handles[index], wanted, sink if writing else None)
-        for entry in shard:
-            if entry.tensor is not None:
-                sink(entry, 0, entry.tensor.detach())
-        if writing and failure is None:
+        stream(shard, guarded(fill))
+        if writing and peers.failure is None:
             try:
                 torch.save(tensors, os.path.join(tmp, name))
             except Exception as error:
-                failure = error
+                peers.note(error)
         tensors.clear()
-    return failure
 
 
 def _write_index(
-    tmp: str, shards: list[list[_Entry]], names: list[str], out: Callable[[_Entry], torch.dtype], safe: bool
+    tmp: str,
+    shards: list[list[_Entry]],
+    names: list[str],
+    out: Callable[[_Entry], torch.dtype],
+    safe: bool,
+    save_id: str,
 ) -> None:
     entries = [entry for shard in shards for entry in shard]
     metadata = {
         "total_parameters": sum(e.numel for e in entries if not _is_buffer(e)),
         "total_size": sum(e.numel * out(e).itemsize for e in entries),
+        SAVE_ID: save_id,
     }
     weight_map = {entry.key: name for shard, name in zip(shards, names, strict=True) for entry in shard}
     write_index(os.path.join(tmp, SAFE_INDEX if safe else BIN_INDEX), weight_map, metadata)
@@ -325,69 +481,42 @@ def _is_buffer(entry: _Entry) -> bool:
     return entry.tensor is not None and not isinstance(entry.tensor, nn.Parameter)
 
 
-class _Source:
-    """The tensors of a checkpoint directory by name: (file, shape, dtype) from the files' headers, and reads of a
-    range of elements. A range of a row-major tensor is one contiguous run of bytes in a safetensors file, so it is
-    read with pread straight into its destination (no memory map, no copy of anything else); torch.save files are
-    memory-mapped and sliced."""
-
-    def __init__(self, directory: str, stack: contextlib.ExitStack) -> None:
-        found = [name for name in (SAFE_INDEX, SAFE_WEIGHTS, BIN_INDEX, BIN_WEIGHTS) if _exists(directory, name)]
-        if not found:
-            raise FileNotFoundError(
-                f"{directory} holds none of {SAFE_WEIGHTS}, {SAFE_INDEX}, {BIN_WEIGHTS}, {BIN_INDEX}: not a directory "
-                "written by save_full_model or save_pretrained."
+def _match(entries: list[_Entry], source: WeightsDirectory, directory: str, model: nn.Module, strict: bool) -> tuple:
+    """The checkpoint's key for each entry it can load, the missing and unexpected keys; raises what would make the
+    load wrong (a shape or dtype mismatch, and with `strict` a missing or unexpected key)."""
+    chosen: dict[str, str] = {}
+    known: set[str] = set()
+    missing, problems = [], []
+    for entry in entries:
+        names = [entry.key, *entry.aliases]
+        known.update(names)
+        key = next((name for name in names if name in source.meta), None)
+        if key is None:
+            missing.append(entry.key)
+            continue
+        file, shape, dtype = source.meta[key]
+        if shape != entry.shape:
+            problems.append(
+                f"size mismatch for {key} in {file}: copying a param with shape {shape} from checkpoint, the shape "
+                f"in current model is {entry.shape}. Load a checkpoint of this model (same architecture)."
             )
-        self.safe = found[0] in (SAFE_INDEX, SAFE_WEIGHTS)
-        files = [found[0]]
-        if found[0] in (SAFE_INDEX, BIN_INDEX):
-            with open(os.path.join(directory, found[0])) as file:
-                files = sorted(set(json.load(file)["weight_map"].values()))
-        self.meta: dict[str, tuple[str, torch.Size, Any]] = {}
-        self._where: dict[str, tuple[int, int]] = {}  # safetensors: key -> (descriptor, first byte)
-        self._loaded: dict[str, dict[str, torch.Tensor]] = {}
-        for name in files:
-            path = os.path.join(directory, name)
-            if self.safe:
-                header, data_start = read_header(path)
-                fd = os.open(path, os.O_RDONLY)
-                stack.callback(os.close, fd)
-                for key, value in header.items():
-                    if key == "__metadata__":
-                        continue
-                    shape, dtype = torch.Size(value["shape"]), BY_NAME.get(value["dtype"], value["dtype"])
-                    begin, end = value["data_offsets"]
-                    if isinstance(dtype, torch.dtype) and end - begin != math.prod(shape) * dtype.itemsize:
-                        raise RuntimeError(f"{path} is corrupt: {key}'s data offsets do not match its shape and dtype")
-                    self.meta[key] = (name, shape, dtype)
-                    self._where[key] = (fd, data_start + begin)
-            else:  # torch.save files cannot be read in part: each is loaded whole (memory-mapped) on every rank
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                self._loaded[name] = state
-                self.meta.update((key, (name, value.shape, value.dtype)) for key, value in state.items())
-
-    def read_into(self, key: str, first: int, target: torch.Tensor) -> None:
-        """Elements [first, first + target.numel()) of the flattened tensor `key` into the 1-D `target`."""
-        name, _, dtype = self.meta[key]
-        if not self.safe:
-            target.copy_(self._loaded[name][key].reshape(-1)[first : first + target.numel()])
-            return
-        direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
-        buffer = target if direct else torch.empty(target.numel(), dtype=dtype)
-        fd, start = self._where[key]
-        view = memoryview(buffer.view(torch.uint8).numpy().data).cast("B") if buffer.numel() else memoryview(b"")
-        position = start + first * dtype.itemsize
-        while view:
-            read = os.preadv(fd, [view], position)
-            if read == 0:
-                raise RuntimeError(f"{name} ends before the data of {key}: the file is truncated")
-            view, position = view[read:], position + read
-        if not direct:
-            target.copy_(buffer)
-
-
-def _exists(directory: str, name: str) -> bool:
-    return os.path.isfile(os.path.join(directory, name))
+        elif dtype != entry.dtype:
+            problems.append(
+                f"dtype mismatch for {key} in {file}: the checkpoint holds {dtype}, the model's parameter is "
+                f"{entry.dtype}. Nothing is cast on load: save with save_full_model(..., dtype={entry.dtype}) or "
+                "build the model in the checkpoint's dtype."
+            )
+        else:
+            chosen[entry.key] = key
+    unexpected = [key for key in source.meta if key not in known]
+    if strict and missing:
+        problems.append(f"Missing key(s) in {directory}: " + ", ".join(f'"{key}"' for key in missing) + ".")
+    if strict and unexpected:
+        listed = ", ".join(f'"{key}" (in {source.meta[key][0]})' for key in unexpected)
+        problems.append(f"Unexpected key(s) in {directory}: {listed}. Pass strict=False to load the rest.")
+    if problems:
+        raise RuntimeError(f"Error(s) in loading {directory} into {type(model).__name__}:\n\t" + "\n\t".join(problems))
+    return chosen, missing, unexpected
 
 
 @torch.no_grad()
@@ -398,65 +527,60 @@ def load_full_model(model: nn.Module, directory: str, *, strict: bool = True) ->
     parameters outside units), so no rank ever holds the full model, nor a second copy of its shard;
     `pytorch_model.bin` files cannot be read in part and are memory-mapped whole on every rank.
 
-    Every rank validates the same metadata before anything is copied: a shape or dtype mismatch, and with `strict`
-    a missing or unexpected key, raise a RuntimeError on every rank naming the key and its file, and leave the model
-    untouched. A tied weight saved once loads into all its references. Returns (missing_keys, unexpected_keys), as
+    Before anything is copied, every rank checks the files (each safetensors header against its file: ranges inside
+    it, no two tensors overlapping, byte counts matching dtype x shape; all files of one save) and the keys, and the
+    ranks agree: a damaged or mixed directory, a shape or dtype mismatch, and with `strict` a missing or unexpected
+    key raise the same RuntimeError on every rank, naming the key or file, and leave the model untouched. A tied
+    weight saved once loads into all its references. Returns (missing_keys, unexpected_keys), as
     nn.Module.load_state_dict does.
     """
-    entries, handles = _collect(model)
+    peers = _Peers(
+        lambda cause: cause if directory in cause else f"load_full_model could not load {directory}: {cause}"
+    )
     with contextlib.ExitStack() as stack:
-        source = _Source(directory, stack)
+        entries: list[_Entry] = []
+        handles: list[FlatParamHandle] = []
         chosen: dict[str, str] = {}
-        known: set[str] = set()
-        missing, errors = [], []
-        for entry in entries:
-            names = [entry.key, *entry.aliases]
-            known.update(names)
-            key = next((name for name in names if name in source.meta), None)
-            if key is None:
-                missing.append(entry.key)
-                continue
-            file, shape, dtype = source.meta[key]
-            if shape != entry.shape:
-                errors.append(
-                    f"size mismatch for {key} in {file}: copying a param with shape {shape} from checkpoint, the shape "
-                    f"in current model is {entry.shape}. Load a checkpoint of this model (same architecture)."
+        missing: list[str] = []
+        unexpected: list[str] = []
+        try:
+            entries, handles = _collect(model)
+            source = WeightsDirectory(directory, stack)
+            chosen, missing, unexpected = _match(entries, source, directory, model, strict)
+        except Exception as error:
+            peers.note(error)
+        peers.agree()  # every rank found the files sound, or every rank raises with the model untouched
+        try:
+            _read_all(source, entries, handles, chosen)
+        except Exception as error:
+            peers.note(
+                RuntimeError(
+                    f"{error}. The model is now partly loaded: load a complete checkpoint into it before using it."
                 )
-            elif dtype != entry.dtype:
-                errors.append(
-                    f"dtype mismatch for {key} in {file}: the checkpoint holds {dtype}, the model's parameter is "
-                    f"{entry.dtype}. Nothing is cast on load: save with save_full_model(..., dtype={entry.dtype}) or "
-                    "build the model in the checkpoint's dtype."
-                )
-            else:
-                chosen[entry.key] = key
-        unexpected = [key for key in source.meta if key not in known]
-        if strict and missing:
-            errors.append(f"Missing key(s) in {directory}: " + ", ".join(f'"{key}"' for key in missing) + ".")
-        if strict and unexpected:
-            listed = ", ".join(f'"{key}" (in {source.meta[key][0]})' for key in unexpected)
-            errors.append(f"Unexpected key(s) in {directory}: {listed}.")
-        if errors:
-            raise RuntimeError(
-                f"Error(s) in loading {directory} into {type(model).__name__}:\n\t" + "\n\t".join(errors)
             )
-        pieces = [{p.info: p for p in h.layout.shard_pieces(h.rank)} if h.sharded else {} for h in handles]
-        for handle in handles:
-            if handle.sharded and handle.is_unsharded:
-                handle.reshard()  # an unsharded copy left from forward would go stale
-        for entry in entries:
-            key = chosen.get(entry.key)
-            if key is None:
-                continue
-            if entry.info is None:
-                assert entry.tensor is not None
-                source.read_into(key, 0, entry.tensor.detach().view(-1))
-                continue
-            handle, info = handles[entry.unit], entry.info
-            if not handle.sharded:
-                source.read_into(key, 0, handle.local_shard[info.offset : info.offset + info.numel])
-            elif info in pieces[entry.unit]:
-                piece = pieces[entry.unit][info]
-                target = handle.local_shard[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard]
-                source.read_into(key, piece.start_in_param, target)
+        peers.agree()
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _read_all(
+    source: WeightsDirectory, entries: list[_Entry], handles: list[FlatParamHandle], chosen: dict[str, str]
+) -> None:
+    pieces = [{p.info: p for p in h.layout.shard_pieces(h.rank)} if h.sharded else {} for h in handles]
+    for handle in handles:
+        if handle.sharded and handle.is_unsharded:
+            handle.reshard()  # an unsharded copy left from forward would go stale
+    for entry in entries:
+        key = chosen.get(entry.key)
+        if key is None:
+            continue
+        if entry.info is None:
+            assert entry.tensor is not None
+            source.read_into(key, 0, entry.tensor.detach().view(-1))
+            continue
+        handle, info = handles[entry.unit], entry.info
+        if not handle.sharded:
+            source.read_into(key, 0, handle.local_shard[info.offset : info.offset + info.numel])
+        elif info in pieces[entry.unit]:
+            piece = pieces[entry.unit][info]
+            target = handle.local_shard[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard]
+            source.read_into(key, piece.start_in_param, target)

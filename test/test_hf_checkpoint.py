@@ -331,9 +331,11 @@ def _fail_mid_write(directory: str, fresh_directory: str) -> None:
     try:
         for target in (directory, fresh_directory):
             calls[0] = 0
-            error = _Injected if dist.get_rank() == 0 else RuntimeError
-            with pytest.raises(error, match="disk full"):
+            with pytest.raises(RuntimeError, match="disk full") as caught:  # the same error on every rank
                 save_full_model(ours, target, max_shard_size="3KB")
+            assert type(caught.value) is RuntimeError and isinstance(caught.value.__cause__, _Injected) == (
+                dist.get_rank() == 0
+            )
     finally:
         hf_checkpoint._write_piece = original  # type: ignore[assignment]
     dist.barrier()

@@ -10,10 +10,14 @@
 
 Sources are also read in the layouts the frameworks write (sources.py: Accelerate, Lightning, verl, safetensors).
 The optimizer state is keyed by FQN in all of them, so it is copied as it is. Tensors stream one at a time, and what
-was written is read back and compared with what was meant to be written, bit for bit.
+was written is read back and compared with what was meant to be written, bit for bit, before it replaces the
+destination: a conversion that fails (a full disk, a write error, a mismatch) leaves no output and the previous
+destination, if any, as it was.
 """
 
+import errno
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -141,17 +145,54 @@ def convert_checkpoint(
             written += nbytes
             progress("write", written, total, dotted(path))
 
-        if to == "full":
-            write_torch_file(target, destination, on_tensor)
-        elif to == "safetensors":
-            write_safetensors(target, destination, max_shard_size, on_tensor)
-        else:
-            write_dcp(target, destination, chunks, on_tensor)
         written_as = {"full": "full", "safetensors": "safetensors"}.get(to, "dcp")
-        verified = verify_conversion(target, destination, progress, written_as) if verify else 0
+        verified = 0
+
+        def check(temporary: str) -> None:  # the output, read back before it replaces the destination
+            nonlocal verified
+            try:
+                verified = verify_conversion(target, temporary, progress, written_as)
+            except CheckpointError as error:
+                raise CheckpointError(str(error).replace(temporary, destination)) from None
+
+        before_commit = check if verify else None
+        try:
+            if to == "full":
+                write_torch_file(target, destination, on_tensor, before_commit)
+            elif to == "safetensors":
+                write_safetensors(target, destination, max_shard_size, on_tensor, before_commit)
+            else:
+                write_dcp(target, destination, chunks, on_tensor, before_commit)
+        except OSError as error:
+            raise _write_failed(destination, error) from error
         tensors = sum(1 for _ in target.tensors())
     return ConversionReport(
         stored.location, destination, source_format, to, tensors, total, verified, time.perf_counter() - start, notes
+    )
+
+
+_HINTS = {
+    errno.ENOSPC: "free some space on its file system",
+    errno.EDQUOT: "free some space (the disk quota is used up)",
+    errno.EFBIG: "a file grew past the file size limit (ulimit -f) or the file system's largest file",
+    errno.EACCES: "make its directory writable",
+    errno.EROFS: "its file system is read-only: choose another destination",
+}
+
+
+def _write_failed(destination: str, error: OSError) -> CheckpointError:
+    """A write that failed (a full disk, a file size limit, no permission), said as such: the conversion's own error
+    rather than a traceback."""
+    parent = os.path.dirname(os.path.abspath(destination))
+    try:
+        free = f" ({shutil.disk_usage(parent).free / 2**20:.1f} MiB free there now)"
+    except OSError:
+        free = ""
+    hint = _HINTS.get(error.errno or 0, "free space on its file system if it is full, or check the device")
+    cause = f"{error.strerror or error}" + (f" ({error.filename})" if error.filename else "")
+    return CheckpointError(
+        f"Could not write {destination}: {cause}{free}. Nothing was written there, and the previous {destination}, "
+        f"if any, is intact: {hint}, and run the conversion again."
     )
 
 

@@ -9,12 +9,19 @@ Writing goes through dcp.save (so the files are DCP's own), planned from tensors
 materialises each tensor from the source only when the writer asks for it, and can store a tensor as several chunks
 (a LOCAL checkpoint's flat parameters, one chunk per rank as N ranks would have saved them). Each item goes to a file
 of its own, since DCP's writer holds every tensor of a file until the file is done.
+
+Every data file written here ends with a stamp of the save's identity (the save id DCP's writer puts in `.metadata`),
+after the items, where DCP never reads: a directory whose files carry different ones (or some none) mixes saves and
+is refused by the reader. What each item holds is covered by the CRC-32s of its torch.save archive, checked on read.
 """
 
 import dataclasses
 import io
+import json
 import os
 import pickle
+import struct
+import traceback
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -40,6 +47,7 @@ from .integrity import check_archive
 from .loading import Refused, RestrictedUnpickler, safe_load
 
 METADATA_FILE = ".metadata"
+_STAMP = b"\nfsdp_legacy-save"  # ends every data file written here, after the JSON of the save identity and its size
 
 # Everything a DCP .metadata pickle may name; anything else could run code when unpickled.
 _METADATA_CLASSES = {
@@ -94,6 +102,7 @@ class DcpCheckpoint(Checkpoint):
             (index.fqn, tuple(index.offset) if index.offset is not None else None): info
             for index, info in storage.items()
         }
+        _check_one_save(path, metadata, storage)
         mapping = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
         self._items: dict[Path, list[_Stored]] = {}
         self.leaves = {}
@@ -178,6 +187,67 @@ class DcpCheckpoint(Checkpoint):
             return safe_load(view, where)
 
 
+def _check_one_save(directory: str, metadata: Metadata, storage: Mapping) -> None:
+    """Refuse a directory whose data files are not all of the save its metadata describes (stamped by write_dcp;
+    a directory with no stamped file was written by another writer and has nothing to check)."""
+    extents: dict[str, int] = {}  # file -> the end of its last item
+    for info in storage.values():
+        name = str(info.relative_path)
+        extents[name] = max(extents.get(name, 0), int(info.offset) + int(info.length))
+    stamps = {name: _stamp_of(os.path.join(directory, name), extent) for name, extent in sorted(extents.items())}
+    if not any(kind == "save" for kind, _ in stamps.values()):
+        return
+    expected = getattr(metadata.storage_meta, "save_id", None)
+    wrong = {
+        name: f"of save {stamp}" if kind == "save" else kind
+        for name, (kind, stamp) in stamps.items()
+        if kind != "unreadable" and stamp != expected
+    }
+    if wrong:
+        listed = ", ".join(f"{name} ({what})" for name, what in wrong.items())
+        raise CheckpointError(
+            f"{directory} mixes the files of different saves: its {METADATA_FILE} is of save {expected}, but {listed}: "
+            "a file was copied from another checkpoint or left from an earlier save. Restore the whole directory from "
+            "one save."
+        )
+
+
+def _stamp_of(path: str, extent: int) -> tuple[str, str | None]:
+    """What a data file says of its save, past `extent` (the end of its items): ("save", id); ("no save identity",
+    None) when nothing follows the items; ("a damaged save identity", None); or ("unreadable", None) when the file is
+    missing or shorter than its items (reported as such when they are read)."""
+    try:
+        with open(path, "rb") as file:
+            size = file.seek(0, io.SEEK_END)
+            if size <= extent:
+                return ("unreadable", None) if size < extent else ("no save identity", None)
+            file.seek(extent)
+            tail = file.read()
+    except OSError:
+        return "unreadable", None
+    record, length, stamp = tail[: -len(_STAMP) - 8], tail[-len(_STAMP) - 8 : -len(_STAMP)], tail[-len(_STAMP) :]
+    try:
+        if stamp != _STAMP or struct.unpack("<Q", length)[0] != len(record):
+            raise ValueError
+        save_id = json.loads(record)["save_id"]
+        if not isinstance(save_id, str):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, struct.error):
+        return "a damaged save identity", None
+    return "save", save_id
+
+
+def _stamp(directory: str, metadata: Metadata) -> None:
+    """Append the save's identity to each of its data files."""
+    save_id = getattr(metadata.storage_meta, "save_id", None)
+    if not save_id:
+        return
+    record = json.dumps({"save_id": save_id}).encode()
+    for name in sorted({str(info.relative_path) for info in metadata.storage_data.values()}):
+        with open(os.path.join(directory, name), "ab") as file:
+            file.write(record + struct.pack("<Q", len(record)) + _STAMP)
+
+
 def _read_metadata(file: str) -> Metadata:
     try:
         with open(file, "rb") as handle:
@@ -230,10 +300,15 @@ class _Slice(io.RawIOBase):
 
 
 def write_dcp(
-    source: Checkpoint, destination: str, chunks: Mapping[Path, list[Chunk]], on_tensor: Callable[[Path, int], None]
+    source: Checkpoint,
+    destination: str,
+    chunks: Mapping[Path, list[Chunk]],
+    on_tensor: Callable[[Path, int], None],
+    before_commit: Callable[[str], None] | None = None,
 ) -> None:
     """Write `source` as a DCP checkpoint, atomically, holding one source tensor in memory at a time; a tensor
-    listed in `chunks` is stored as those pieces, the others whole."""
+    listed in `chunks` is stored as those pieces, the others whole. `before_commit(temporary directory)` runs once it
+    is complete, before it replaces `destination`."""
     with atomic_directory(destination) as temporary:
         tree = unflatten(
             {
@@ -248,11 +323,23 @@ def write_dcp(
         try:
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(
+                metadata = dcp.save(
                     tree, storage_writer=writer, planner=_StreamingPlanner(source, chunks, on_tensor), no_dist=True
                 )
-        except CheckpointException as wrapped:  # DCP wraps what the source raised (a damaged item, ...)
-            raise next(iter(wrapped.failures.values()))[0] from None
+        except CheckpointException as wrapped:  # DCP wraps what the source raised (a damaged item, a full disk, ...)
+            failure = next(iter(wrapped.failures.values()))[0]
+            if isinstance(failure, RuntimeError) and _raised_by_torch_save(failure):  # a short write: a full disk
+                raise OSError(f"torch.save could not write an item ({failure})") from None
+            raise failure from None
+        _stamp(temporary, metadata)
+        if before_commit is not None:
+            before_commit(temporary)
+
+
+def _raised_by_torch_save(error: BaseException) -> bool:
+    """Whether torch.save raised it: how its archive writer reports a write that failed ("unexpected pos")."""
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ is not None else []
+    return any(frame.filename.endswith(os.path.join("torch", "serialization.py")) for frame in frames)
 
 
 class _StreamingPlanner(DefaultSavePlanner):

@@ -41,14 +41,27 @@ def is_rank_file(path: str) -> bool:
         return False
 
 
+def is_damaged_archive(path: str) -> bool:
+    """Whether `path` starts as a zip archive (torch.save's) but cannot be opened as one: cut short, or corrupted."""
+    try:
+        with open(path, "rb") as file:
+            if file.read(4) != b"PK\x03\x04":
+                return False
+        with zipfile.ZipFile(path):
+            return False
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return True
+
+
 def rank_files_in(source: str | Sequence[str]) -> list[str]:
-    """The per-rank files a source names: a list of files, a glob pattern, a directory (its rank files), or one
-    file. Empty when it names none."""
+    """The per-rank files a source names: a list of files, a glob pattern, a directory (its rank files, and the
+    damaged archives beside them, so that a truncated rank file is reported as damaged rather than as missing), or
+    one file. Empty when it names none."""
     if not isinstance(source, str):
         return list(source)
     if os.path.isdir(source):
         names = sorted(os.path.join(source, n) for n in os.listdir(source) if not n.startswith("."))
-        return [n for n in names if os.path.isfile(n) and is_rank_file(n)]
+        return [n for n in names if os.path.isfile(n) and (is_rank_file(n) or is_damaged_archive(n))]
     if os.path.isfile(source):
         return [source] if is_rank_file(source) else []
     if glob.has_magic(source):
@@ -120,7 +133,10 @@ class RankFiles(Checkpoint):
         if not os.path.isfile(file):
             raise CheckpointError(f"{file} does not exist: pass the per-rank files of a LOCAL state dict.")
         with open(file, "rb") as handle:
-            check_archive(handle, file)
+            try:
+                check_archive(handle, file)
+            except CheckpointError as error:  # named as damaged, not missing: the file is there
+                raise CheckpointError(f"One of the per-rank files is there but damaged: {error}") from None
         tree = load_rank_file(file)
         if not isinstance(tree, Mapping):
             raise CheckpointError(f"{file} holds a {type(tree).__name__}, not a LOCAL state dict.")

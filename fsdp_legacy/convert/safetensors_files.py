@@ -3,8 +3,10 @@
 FQNs, as save_pretrained writes them. Model weights only: it has no place for an optimizer state.
 
 Writing streams: each file's header is written first, then every tensor is read from the source, cast (floating
-tensors only, with `dtype`) and written at its offset, one tensor at a time; the directory appears atomically.
-Reading takes every file's header and the index, checked against each other, and reads a tensor's bytes on demand.
+tensors only, with `dtype`) and written at its offset, one tensor at a time; the directory appears atomically, and
+each file and the index carry the save's identity. Reading takes every file's header, checked against the file (as
+the safetensors package checks it: no tensor past the end or over another's bytes), the index, checked against the
+headers, and the files' save identities (one save), and reads a tensor's bytes on demand.
 """
 
 import json
@@ -15,14 +17,16 @@ from typing import Any
 import torch
 
 from ..safetensors_io import (
-    BY_NAME,
     DTYPES,
     SAFE_INDEX,
     SAFE_WEIGHTS,
+    SAVE_ID,
     SafetensorsWriter,
+    mixed_saves,
+    new_save_id,
     parse_size,
     plan_shards,
-    read_header,
+    read_safetensors_header,
     shard_names,
     write_index,
 )
@@ -69,10 +73,15 @@ class ModelWeights(Checkpoint):
 
 
 def write_safetensors(
-    source: Checkpoint, destination: str, max_shard_size: int | str, on_tensor: Callable[[Path, int], None]
+    source: Checkpoint,
+    destination: str,
+    max_shard_size: int | str,
+    on_tensor: Callable[[Path, int], None],
+    before_commit: Callable[[str], None] | None = None,
 ) -> None:
     """Write the model section of `source` (tensors by FQN, as ModelWeights gives it) in Hugging Face's layout at
-    `destination`, atomically, holding one tensor in memory at a time."""
+    `destination`, atomically, holding one tensor in memory at a time; `before_commit(temporary directory)` runs once
+    it is complete, before it replaces `destination`."""
     try:
         max_size = parse_size(max_shard_size)
     except ValueError as error:
@@ -86,11 +95,14 @@ def write_safetensors(
             )
     groups = plan_shards([leaf.nbytes for _, leaf in tensors], max_size)
     names = shard_names(len(groups), SAFE_WEIGHTS)
+    save_id = new_save_id()  # in every file and the index: a directory mixed from two saves is refused on reading
     with atomic_directory(destination) as temporary:
         for group, name in zip(groups, names, strict=True):
             chosen = [tensors[i] for i in group]
             writer = SafetensorsWriter(
-                os.path.join(temporary, name), [(str(path[1]), leaf.shape, leaf.dtype) for path, leaf in chosen]
+                os.path.join(temporary, name),
+                [(str(path[1]), leaf.shape, leaf.dtype) for path, leaf in chosen],
+                {SAVE_ID: save_id},
             )
             try:
                 for path, leaf in chosen:
@@ -101,7 +113,9 @@ def write_safetensors(
         if len(groups) > 1:
             weight_map = {str(tensors[i][0][1]): name for group, name in zip(groups, names, strict=True) for i in group}
             total = sum(leaf.nbytes for _, leaf in tensors)
-            write_index(os.path.join(temporary, SAFE_INDEX), weight_map, {"total_size": total})
+            write_index(os.path.join(temporary, SAFE_INDEX), weight_map, {"total_size": total, SAVE_ID: save_id})
+        if before_commit is not None:
+            before_commit(temporary)
 
 
 class SafetensorsDirectory(Checkpoint):
@@ -111,49 +125,41 @@ class SafetensorsDirectory(Checkpoint):
             raise CheckpointError(f"{directory} holds neither {SAFE_WEIGHTS} nor {SAFE_INDEX}.")
         index_path = os.path.join(directory, SAFE_INDEX)
         weight_map: dict[str, str] | None = None
+        index_save_id: str | None = None
         if os.path.isfile(index_path):
-            weight_map = _weight_map(index_path)
+            weight_map, index_save_id = _read_index(index_path)
             files = sorted(set(weight_map.values()))
         else:
             files = [SAFE_WEIGHTS]
         self.leaves: dict[Path, Any] = {}
         self._where: dict[Path, tuple[str, int, int]] = {}  # file, first byte, byte count
-        for name in files:
-            self._add_file(name)
+        save_ids = {name: self._add_file(name) for name in files}
+        if weight_map is not None:
+            save_ids[SAFE_INDEX] = index_save_id
+        mixed = mixed_saves(save_ids, directory)
+        if mixed is not None:
+            raise CheckpointError(mixed)
         if weight_map is not None and weight_map != {str(p[1]): self._where[p][0] for p in self._where}:
             raise CheckpointError(
                 f"{index_path} does not list the tensors its files hold (or names other files for them): the "
                 "directory is incomplete or was edited. Restore it from a copy."
             )
 
-    def _add_file(self, name: str) -> None:
+    def _add_file(self, name: str) -> str | None:
+        """Add the tensors of one file; returns its save identity."""
         path = os.path.join(self.location, name)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}, named in the index, is missing: copy every file of the directory.")
         try:
-            header, data_start = read_header(path)
+            header = read_safetensors_header(path)
         except ValueError as error:
-            raise CheckpointError(f"{error}: the file is truncated or not safetensors; restore it.") from None
-        size = os.path.getsize(path)
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                dtype, shape, (begin, end) = BY_NAME[entry["dtype"]], torch.Size(entry["shape"]), entry["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(
-                    f"{path}: the header entry of {key} is malformed, or of an unknown dtype."
-                ) from None
-            meta = TensorMeta(shape, dtype)
-            if end - begin != meta.nbytes or begin < 0 or data_start + end > size:
-                raise CheckpointError(
-                    f"{path}: {key}'s bytes [{begin}, {end}) do not fit its shape and dtype or the file ({size} "
-                    "bytes): it is truncated or corrupted. Restore it from a copy."
-                )
+            raise CheckpointError(f"{error}. Restore it from a copy.") from None
+        for key, stored in header.tensors.items():
             if ("model", key) in self.leaves:
                 raise CheckpointError(f"{key} is in two files of {self.location}: the directory mixes saves.")
-            self.leaves[("model", key)] = meta
-            self._where[("model", key)] = (name, data_start + begin, end - begin)
+            self.leaves[("model", key)] = TensorMeta(stored.shape, stored.dtype)
+            self._where[("model", key)] = (name, stored.start, stored.nbytes)
+        return header.save_id
 
     def read(self, path: Path) -> torch.Tensor:
         name, start, count = self._where[path]
@@ -168,12 +174,14 @@ class SafetensorsDirectory(Checkpoint):
         return torch.frombuffer(buffer, dtype=meta.dtype).view(meta.shape)
 
 
-def _weight_map(path: str) -> dict[str, str]:
+def _read_index(path: str) -> tuple[dict[str, str], str | None]:
+    """The index's weight map and save identity."""
     try:
         with open(path) as file:
-            weight_map = json.load(file)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+            index = json.load(file)
+        weight_map, metadata = index["weight_map"], index.get("metadata") or {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path} is not a safetensors index ({error}): restore it from a copy.") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{path}: its weight_map is not a map of tensor names to file names.")
-    return weight_map
+    return weight_map, metadata.get(SAVE_ID) if isinstance(metadata, dict) else None

@@ -8,6 +8,7 @@ torch.save wrote for the empty space are recomputed.
 """
 
 import mmap
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,23 +48,47 @@ class TorchFile(Checkpoint):
         return self._values[path]
 
 
-def write_torch_file(source: Checkpoint, destination: str, on_tensor: Callable[[Path, int], None]) -> None:
-    """Write `source` as one torch.save file, atomically, holding one source tensor in memory at a time."""
+def write_torch_file(
+    source: Checkpoint,
+    destination: str,
+    on_tensor: Callable[[Path, int], None],
+    before_commit: Callable[[str], None] | None = None,
+) -> None:
+    """Write `source` as one torch.save file, atomically, holding one source tensor in memory at a time;
+    `before_commit(temporary path)` runs once the file is complete, before it replaces `destination`. A write that
+    fails (a full disk) raises OSError."""
     with atomic_file(destination) as temporary:
         with FakeTensorMode():
             placeholders = {
                 path: torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, TensorMeta) else leaf
                 for path, leaf in source.leaves.items()
             }
-        with torch.serialization.skip_data(materialize_fake_tensors=True):
-            torch.save(unflatten(placeholders), temporary)
+        try:
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                torch.save(unflatten(placeholders), temporary)
+        except RuntimeError as error:  # torch's archive writer reports a short write this way ("unexpected pos")
+            raise OSError(f"torch.save could not write the archive ({error})") from error
         del placeholders
+        _reserve(temporary)
         targets = flatten(_map_shared(temporary), temporary)
         for path, leaf in source.tensors():
             targets[path].copy_(source.read(path))
             on_tensor(path, leaf.nbytes)
         del targets  # unmaps: the data is in the page cache, flushed by the fsync of atomic_file
         rewrite_crcs(temporary)
+        if before_commit is not None:
+            before_commit(temporary)
+
+
+def _reserve(path: str) -> None:
+    """Allocate the space skip_data left as a hole: a write through the memory map into a hole the disk has no room
+    for kills the process (SIGBUS); allocating first makes a full disk an ENOSPC error here instead."""
+    if hasattr(os, "posix_fallocate"):
+        descriptor = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(descriptor, 0, os.fstat(descriptor).st_size)
+        finally:
+            os.close(descriptor)
 
 
 def _map_shared(path: str) -> Any:
