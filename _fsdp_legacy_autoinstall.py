@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from importlib.abc import MetaPathFinder
-from importlib.machinery import ModuleSpec, PathFinder
+from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
@@ -24,13 +24,13 @@ def enabled() -> bool:
 
 
 class InstallAfterImport(MetaPathFinder):
-    """Finds torch.distributed.fsdp as the path finder would, and runs fsdp_legacy.install() once it has executed."""
+    """Finds torch.distributed.fsdp as the other finders would, and runs fsdp_legacy.install() once it has executed."""
 
     def find_spec(self, name: str, path: Any = None, target: ModuleType | None = None) -> ModuleSpec | None:
         if name != TARGET:
             return None
         sys.meta_path.remove(self)  # once is enough
-        spec = PathFinder.find_spec(name, path, target)
+        spec = _find_with_other_finders(name, path, target)
         loader = spec.loader if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
@@ -42,6 +42,17 @@ class InstallAfterImport(MetaPathFinder):
 
         loader.exec_module = execute_then_install  # type: ignore[method-assign]  # this spec's own loader
         return spec
+
+
+def _find_with_other_finders(name: str, path: Any, target: ModuleType | None) -> ModuleSpec | None:
+    """The spec the rest of the import system would find (another import hook included), as the import statement
+    would ask: each finder of sys.meta_path in turn."""
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        spec = find_spec(name, path, target) if find_spec is not None else None
+        if spec is not None:
+            return spec
+    return None
 
 
 def install_when_ready() -> None:
