@@ -82,6 +82,7 @@ class FullyShardedDataParallel(FSDPUnit):
         device_mesh: Any = None,
     ):
         super().__init__()
+        _hide_runtime_from_dynamo()
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             warnings.warn(
                 f"FSDP will not all-gather parameters for containers that do not implement forward: {module}",
@@ -259,10 +260,7 @@ class FullyShardedDataParallel(FSDPUnit):
     # ----------------------------------------------------------------------------------------------------------------
     # nn.Module surface
 
-    # Under torch.compile, Dynamo never traces this frame nor the runtime (collectives, storage resizes, hooks and
-    # bookkeeping run eagerly, as torch's FSDP1 runtime does inside torch), while the wrapped module's own forward,
-    # called from here, is compiled as a frame of its own with the unsharded views as graph inputs.
-    @torch.compiler.disable(recursive=False, reason=_EAGER_RUNTIME)
+    # (hidden from torch.compile: _hide_runtime_from_dynamo)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _pre_forward(self, args, kwargs)
         output = self._fsdp_wrapped_module(*args, **kwargs)
@@ -462,15 +460,34 @@ class FullyShardedDataParallel(FSDPUnit):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), buffer
 
 
-@torch.compiler.disable(reason=_EAGER_RUNTIME)
 def _pre_forward(unit: FullyShardedDataParallel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return unit._lazy_init().pre_forward(unit, args, kwargs)
 
 
-@torch.compiler.disable(reason=_EAGER_RUNTIME)
 def _post_forward(unit: FullyShardedDataParallel, output: Any) -> Any:
     assert unit._runtime is not None, "the pre-forward set it"
     return unit._runtime.post_forward(unit, output)
+
+
+_runtime_hidden = False
+
+
+def _hide_runtime_from_dynamo() -> None:
+    """Under torch.compile, Dynamo never traces a unit's forward frame nor the runtime (collectives, storage resizes,
+    hooks and bookkeeping run eagerly, as torch's FSDP1 runtime does inside torch), while the wrapped module's own
+    forward, called from there, is compiled as a frame of its own with the unsharded views as graph inputs.
+
+    Done at the first construction rather than at import: torch._dynamo's own import can be what imports fsdp_legacy
+    (FSDP_LEGACY=1 installs it as soon as torch.distributed.fsdp is imported, which torch._dynamo does), and
+    torch.compiler.disable needs torch._dynamo whole."""
+    global _runtime_hidden, _pre_forward, _post_forward
+    if _runtime_hidden:
+        return
+    cls = FullyShardedDataParallel
+    cls.forward = torch.compiler.disable(cls.forward, recursive=False, reason=_EAGER_RUNTIME)  # type: ignore[method-assign]
+    _pre_forward = torch.compiler.disable(_pre_forward, reason=_EAGER_RUNTIME)
+    _post_forward = torch.compiler.disable(_post_forward, reason=_EAGER_RUNTIME)
+    _runtime_hidden = True
 
 
 def _post_backward_hook(

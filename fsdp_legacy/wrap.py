@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn as nn
+from torch.torch_version import TorchVersion
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 __all__ = [
@@ -269,9 +270,13 @@ def _mark_fp32_modules(root: nn.Module, classes: tuple[type[nn.Module], ...]) ->
         warnings.warn(
             "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
             f"module has submodules of type:\n{found}\n"
-            "These modules will be wrapped as separate FSDP instacnes with mixed precision disabled.",
+            f"These modules will be wrapped as separate FSDP {_INSTANCES} with mixed precision disabled.",
             stacklevel=4,  # _mark_fp32_modules -> auto_wrap -> wrapper ctor -> user
         )
+
+
+# torch's wording of that warning: "instacnes" until torch 2.15 corrected it.
+_INSTANCES = "instances" if TorchVersion(torch.__version__) >= "2.15" else "instacnes"
 
 
 def _run_in_fp32(module: nn.Module) -> None:

@@ -453,3 +453,19 @@ def _mixed_dtype_units_compiled(use_orig_params: bool) -> None:
 @pytest.mark.parametrize("use_orig_params", [True, False], ids=["uop", "flat"])
 def test_units_that_mix_dtypes_compile(use_orig_params: bool) -> None:
     run_on_ranks(_mixed_dtype_units_compiled, 2, use_orig_params, timeout=600)
+
+
+def test_switch_during_dynamos_own_import() -> None:
+    """torch._dynamo's import imports torch.distributed.fsdp, and so, under FSDP_LEGACY=1, fsdp_legacy: which must not
+    need torch._dynamo then (the CI failure of Lightning's run: "partially initialized module 'torch._dynamo'")."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch._dynamo, torch.distributed.fsdp as f, fsdp_legacy; "
+        "assert f.FullyShardedDataParallel is fsdp_legacy.FullyShardedDataParallel"
+    )
+    env = {**os.environ, "FSDP_LEGACY": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

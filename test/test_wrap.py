@@ -261,11 +261,11 @@ def test_mixed_precision_override_and_fp32_hooks() -> None:
         (
             "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped module has "
             "submodules of type:\n{<class 'torch.nn.modules.batchnorm.BatchNorm1d'>}\n"
-            "These modules will be wrapped as separate FSDP instacnes with mixed precision disabled."
+            f"These modules will be wrapped as separate FSDP {our_wrap._INSTANCES} with mixed precision disabled."
         )
     ]
     model = BNNet()
-    with pytest.warns(UserWarning, match="instacnes"):
+    with pytest.warns(UserWarning, match=our_wrap._INSTANCES):
         our_wrap.auto_wrap(
             model, our_wrap.always_wrap_policy, Wrapper, set(), set(), {"mixed_precision": MixedPrecision()}
         )
