@@ -142,3 +142,84 @@ ONLINE = [
 )
 def test_fsdp1_tp_checkpoint_moves_to_fsdp2_tp_and_back(tmp_path, source, uop, fsdp2_shape, back_shape) -> None:
     run_on_ranks(_online, 4, source, uop, fsdp2_shape, back_shape, str(tmp_path), timeout=240)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Offline: the converter
+
+
+def _trained_reference() -> Reference:
+    ref = Reference(None)
+    for step in range(2):
+        ref.step(step, 2)
+    return ref
+
+
+def _save_for_offline(source: str, uop: bool, path: str) -> dict:
+    ref = Reference(_mesh(2, 2))
+    _save_fsdp1(source, _mesh(2, 2), path, ref, uop)
+    names = {p: n for n, p in ref.model.named_parameters()}
+    return {
+        "model": {n: p.detach().clone() for n, p in ref.model.named_parameters()},
+        "optim": {names[p]: {k: v.clone() for k, v in s.items()} for p, s in ref.optim.state.items()},
+    }
+
+
+def _offline_into_fsdp2(path: str, shape: tuple[int, int]) -> None:
+    _into_fsdp2(_mesh(*shape), path, _trained_reference(), range(2, 4))
+
+
+def _offline_full_into_ours(path: str, shape: tuple[int, int], uop: bool, fsdp2_dp: int) -> None:
+    """Ours loads a full torch.save file {"model", "optim"} with fsdp_legacy.checkpoint's helpers (full_state_dict)."""
+    ref = _trained_reference()
+    for step in range(2, 4):  # (as FSDP2 trained them)
+        ref.step(step, fsdp2_dp)
+    mesh = _mesh(*shape)
+    model = _build("ours", mesh, uop=uop, seed=9)
+    optim = torch.optim.Adam(model.parameters(), lr=LR)
+    full = torch.load(path, weights_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        our_dsd.set_state_dict(
+            model,
+            optim,
+            model_state_dict=full["model"],
+            optim_state_dict=full["optim"],
+            options=StateDictOptions(full_state_dict=True),
+        )
+    ref.check(_full(model), "ours after loading the full file")
+    _train(model, optim, mesh, range(4, 6), ref, "ours from the full file")
+
+
+OFFLINE = [("ours", True, (1, 4)), ("torch", False, (4, 1))]
+
+
+@pytest.mark.parametrize(
+    "source,uop,shape", OFFLINE, ids=[f"{s}-{'uop' if u else 'flat'}-at{a[0]}x{a[1]}" for s, u, a in OFFLINE]
+)
+def test_fsdp1_tp_checkpoint_converts_offline_for_fsdp2_tp(tmp_path, source: str, uop: bool, shape) -> None:
+    """No mesh needs to be given: DCP stores each DTensor's pieces as chunks of the global tensor (the dp x tp
+    placement is in its metadata), so DCP -> full and DCP -> FSDP2's DCP read them as any sharded checkpoint."""
+    from fsdp_legacy.cli.main import main
+    from fsdp_legacy.convert import convert_checkpoint, open_checkpoint
+
+    saved = str(tmp_path / "fsdp1")
+    expected = run_on_ranks(_save_for_offline, 4, source, uop, saved, timeout=240)[0]
+    with open_checkpoint(saved) as stored:  # down: Shard(0) over dp x Shard(1) over tp; norm: replicated over tp
+        assert sorted(stored.chunks(("model", "blocks.0.down.weight"))) == [
+            ((r, c), (4, 6)) for r in (0, 4) for c in (0, 6)
+        ]
+        assert sorted(stored.chunks(("model", "blocks.0.norm.weight"))) == [((0,), (4,)), ((4,), (4,))]
+    full, fsdp2 = str(tmp_path / "full.pt"), str(tmp_path / "fsdp2")
+    convert_checkpoint(saved, full, to="full")
+    assert main(["convert", saved, fsdp2, "--to", "dcp"]) == 0  # (the command line, in this process)
+    written = torch.load(full, weights_only=True)
+    assert written["model"].keys() == expected["model"].keys()
+    for name, value in expected["model"].items():
+        _close(written["model"][name], value, f"full file: {name}")
+        for key, state in expected["optim"][name].items():
+            _close(written["optim"]["state"][name][key], state, f"full file: {key} of {name}")
+    run_on_ranks(_offline_into_fsdp2, 4, fsdp2, shape, timeout=240)
+    back = str(tmp_path / "back.pt")
+    convert_checkpoint(f"{fsdp2}/fsdp2", back, to="full")
+    run_on_ranks(_offline_full_into_ours, 4, back, (2, 2), uop, shape[0], timeout=240)
