@@ -71,8 +71,8 @@ def _parallelize(model: LM, tp_mesh, loss_par: bool) -> None:
     parallelize_module(model, tp_mesh, {**plan, "out": head})
 
 
-def _build(which: str, mesh, uop: bool, loss_par: bool, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
+def _build(which: str, mesh, uop: bool, loss_par: bool, strategy: str = "FULL_SHARD", mp: bool = False) -> nn.Module:
+    torch.manual_seed(0)
     model = LM()
     if which == "plain":
         return model
@@ -81,6 +81,8 @@ def _build(which: str, mesh, uop: bool, loss_par: bool, seed: int = 0) -> nn.Mod
     kwargs = dict(
         device_mesh=mesh["dp"],
         use_orig_params=uop,
+        sharding_strategy=api.ShardingStrategy[strategy],
+        mixed_precision=api.MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16) if mp else None,
         auto_wrap_policy=(ModuleWrapPolicy if which == "ours" else torch_fsdp.wrap.ModuleWrapPolicy)({Block}),
     )
     if which == "torch":
@@ -104,49 +106,64 @@ def _step_loss(model: nn.Module, step: int, dp_rank: int, loss_par: bool) -> tor
     return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
 
-def _train(uop: bool, loss_par: bool, with_torch: bool) -> None:
+def _train(uop: bool, loss_par: bool, strategy: str, mp: bool, no_sync: bool) -> None:
     mesh = _mesh(2, 2)
     dp_rank = mesh["dp"].get_local_rank()
-    models = {"ours": _build("ours", mesh, uop, loss_par), "plain": _build("plain", mesh, uop, loss_par)}
-    if with_torch:
-        models["torch"] = _build("torch", mesh, uop, loss_par)
+    models = {which: _build(which, mesh, uop, loss_par, strategy, mp) for which in ("ours", "torch", "plain")}
     optims = {name: torch.optim.Adam(m.parameters(), lr=0.01) for name, m in models.items()}
+    tol = dict(atol=2e-2, rtol=2e-2) if mp else {}
     for step in range(3):
+        micro = [100 + step, step] if no_sync and step == 1 else [step]  # a no_sync() micro-batch first
         losses = {}
         for name, model in models.items():
-            if name == "plain":
-                per_rank = [_step_loss(model, step, r, False) for r in range(2)]  # (gradients summed: halve them)
+            if name == "plain":  # every dp rank's batches; the gradients summed over dp ranks: halve them
+                losses[name] = [_step_loss(model, m, r, False) for m in micro for r in range(2)][-2 + dp_rank]
                 for p in model.parameters():
                     p.grad /= 2
-                losses[name] = per_rank[dp_rank]
-            else:
-                losses[name] = _step_loss(model, step, dp_rank, loss_par)
-        _close(losses["ours"], losses["plain"], f"loss at step {step} against the reference")
-        if with_torch:
-            _close(losses["ours"], losses["torch"], f"loss at step {step} against torch's FSDP1")
-        if with_torch and not uop:
+                continue
+            for m in micro[:-1]:
+                with model.no_sync():
+                    _step_loss(model, m, dp_rank, loss_par)
+            losses[name] = _step_loss(model, micro[-1], dp_rank, loss_par)
+        if not mp:
+            _close(losses["ours"], losses["plain"], f"loss at step {step} against the reference")
+        _close(losses["ours"], losses["torch"], f"loss at step {step} against torch's FSDP1", **tol)
+        if not uop:
             for a, b in zip(
                 FSDP.fsdp_modules(models["ours"]),
                 torch_fsdp.FullyShardedDataParallel.fsdp_modules(models["torch"]),
                 strict=True,
             ):
-                _close(a._handle.flat_param.grad, b._flat_param.grad, f"sharded gradient at step {step}")
+                _close(a._handle.flat_param.grad, b._flat_param.grad, f"sharded gradient at step {step}", **tol)
         if step == 2:
             norm = models["ours"].clip_grad_norm_(0.5)
-            _close(norm, torch.nn.utils.clip_grad_norm_(models["plain"].parameters(), 0.5), "clip_grad_norm_")
+            expected = torch.nn.utils.clip_grad_norm_(models["plain"].parameters(), 0.5)
+            _close(norm, expected, "clip_grad_norm_", **tol)
         for optim in optims.values():
             optim.step()
             optim.zero_grad()
-    expected = dict(models["plain"].named_parameters())
-    for name, value in _full(models["ours"]).items():
-        _close(value, expected[name].detach(), f"parameter {name} against the reference")
+    if not mp:
+        expected = dict(models["plain"].named_parameters())
+        for name, value in _full(models["ours"]).items():
+            _close(value, expected[name].detach(), f"parameter {name} against the reference")
 
 
-CASES = [(False, False), (True, False), (False, True), (True, True)]
+CASES = [  # torch's FSDP1 + TP fails a step after no_sync() with use_orig_params=True: not with uop here
+    (False, False, "FULL_SHARD", False, False),
+    (True, False, "FULL_SHARD", False, False),
+    (False, True, "FULL_SHARD", False, True),
+    (True, True, "FULL_SHARD", False, False),
+    (False, True, "SHARD_GRAD_OP", True, True),
+]
 
 
 @pytest.mark.parametrize(
-    "uop,loss_par", CASES, ids=[f"{'uop' if u else 'flat'}{'-loss_parallel' if lp else ''}" for u, lp in CASES]
+    "uop,loss_par,strategy,mp,no_sync",
+    CASES,
+    ids=[
+        f"{'uop' if u else 'flat'}{'-loss_parallel' if lp else ''}-{s}{'-bf16' if m else ''}{'-no_sync' if n else ''}"
+        for u, lp, s, m, n in CASES
+    ],
 )
-def test_sequence_parallel_and_loss_parallel(uop: bool, loss_par: bool) -> None:
-    run_on_ranks(_train, 4, uop, loss_par, True)
+def test_sequence_parallel_and_loss_parallel(uop: bool, loss_par: bool, strategy: str, mp: bool, no_sync: bool) -> None:
+    run_on_ranks(_train, 4, uop, loss_par, strategy, mp, no_sync)
