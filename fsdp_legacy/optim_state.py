@@ -189,6 +189,8 @@ def _save(
 ) -> dict[str, Any]:
     osd = optim.state_dict() if osd is None else osd
     entries = _entries(model, optim)
+    if not _uses_orig_params(model):
+        _check_rank0_states(entries, osd["state"], group)
     local = _local_state_by_fqn(entries, osd["state"])
     specs = _global_specs(local, group)
     rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
@@ -216,11 +218,41 @@ def _save(
     state = {fqn: values[fqn] for _, entry in entries for fqn in entry.fqns if values.get(fqn)}
     if any(entry.handle is not None and entry.handle.use_orig_params for _, entry in entries):
         state = _in_torch_uop_order(state, entries)
+    if "param_groups" not in osd:  # a state alone saves as a state alone, as in torch
+        return {"state": state}
     param_groups = []
     for index, saved_group in enumerate(osd["param_groups"]):
         fqns = [fqn for g, entry in entries if g == index for fqn in entry.fqns]
         param_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": fqns})
     return {"state": state, "param_groups": param_groups}
+
+
+def _uses_orig_params(model: nn.Module) -> bool:
+    unit = next((m for m in model.modules() if isinstance(m, FSDPUnit)), None)
+    return unit is not None and all(handle.use_orig_params for handle in unit._handles)
+
+
+def _check_rank0_states(
+    entries: list[tuple[int, _Entry]], state: dict[Any, Any], group: dist.ProcessGroup | None
+) -> None:
+    """With flat parameters torch takes rank 0's list of states as the one every rank gathers; a rank lacking one of
+    them would skip a gather and hang the others, so every rank raises torch's RuntimeError instead."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    held = [entry.fqns for key, (_, entry) in enumerate(entries) if key in state]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, held, group=group)
+    missing = [[fqns for fqns in everyone[0] if fqns not in set(mine)] for mine in everyone]
+    if any(missing):  # torch's message, word for word
+        raise RuntimeError(
+            "FSDP currently requires each rank to have at least the optimizer states needed by rank 0's optimizer "
+            "but some ranks are missing some of those states"
+            + "".join(
+                f"\nRank {rank} is missing states for the parameters: {keys}"
+                for rank, keys in enumerate(missing)
+                if keys
+            )
+        )
 
 
 def _in_torch_uop_order(state: dict[str, Any], entries: list[tuple[int, _Entry]]) -> dict[str, Any]:
