@@ -7,6 +7,7 @@ ranks, output key for key (and the optimizer's own state where torch's tests che
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from typing import Any
 
@@ -55,7 +56,8 @@ class Nested(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.block1(torch.relu(self.block0(x))))
-        return torch.relu(self.block2(x)) + self.bias
+        extra = self._parameters.get("unmanaged_param")  # a parameter beside the units, trained by the root
+        return torch.relu(self.block2(x)) + self.bias + (0 if extra is None else extra.sum())
 
     def group0(self) -> list[nn.Parameter]:  # not the model's order, and without `bias`
         return list(self.block1.parameters())
@@ -87,6 +89,8 @@ def nested_model(
                 module, process_group=group, use_orig_params=uop, device_id=torch.device("cpu"), **kwargs
             )
 
+    if wrap == "none":
+        return model
     if wrap == "wrap":
         model.block1.bias_module0 = fsdp(model.block1.bias_module0)
         model.block1 = fsdp(model.block1)
@@ -142,9 +146,9 @@ def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
             return f"{type(error).__name__}: {error}"
 
 
-def both(fn: Any, *args: Any) -> tuple[Any, Any]:
-    """`fn(lib, *args)` for ours and torch's."""
-    return fn(fsdp_legacy, *args), fn(torch_fsdp, *args)
+def both(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """`fn(lib, *args, **kwargs)` for ours and torch's."""
+    return fn(fsdp_legacy, *args, **kwargs), fn(torch_fsdp, *args, **kwargs)
 
 
 def _same(ours: Any, theirs: Any, what: str) -> None:
@@ -173,6 +177,12 @@ def _same(ours: Any, theirs: Any, what: str) -> None:
         torch.testing.assert_close(ours, theirs, msg=what)
     else:
         assert ours == theirs, (what, ours, theirs)
+
+
+def by_key(osd: dict) -> dict:
+    """`osd` with its states in key order, as an optimizer's own state dict has them (torch orders loaded states by
+    the model's parameters, full ones by its own walk)."""
+    return {**osd, "state": dict(sorted(osd["state"].items()))}
 
 
 def assert_same(ours: Any, theirs: Any, what: str) -> None:
@@ -237,3 +247,145 @@ def _no_param_groups(uop: bool) -> None:
 @pytest.mark.parametrize("uop", [False, True], ids=["flat", "uop"])
 def test_state_without_param_groups_as_torch(uop: bool) -> None:
     run_on_ranks(_no_param_groups, 2, uop)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Part 6: rekey_optim_state_dict to names, loaded into the wrapped model
+
+
+def _rekeyed(lib: Any, groups: bool, uop: bool) -> tuple:
+    fsdp, key_type = lib.FullyShardedDataParallel, lib.OptimStateKeyType
+    wrapped, wrapped_optim, _ = trained(lib, groups, uop=uop)
+    plain, plain_optim, plain_input = trained(lib, groups, wrap="none")
+    names = quiet(fsdp.rekey_optim_state_dict, plain_optim.state_dict(), key_type.PARAM_NAME, plain, optim=plain_optim)
+    by_input = quiet(
+        fsdp.rekey_optim_state_dict, plain_optim.state_dict(), key_type.PARAM_NAME, plain, optim_input=plain_input
+    )
+    sharded = quiet(fsdp.shard_full_optim_state_dict, names, wrapped, optim=wrapped_optim)
+    full = with_type(lib, wrapped, "FULL_STATE_DICT", lambda: fsdp.optim_state_dict(wrapped, wrapped_optim))
+    ids = quiet(fsdp.rekey_optim_state_dict, full, key_type.PARAM_ID, plain, optim=plain_optim)
+    return names, by_input, sharded, wrapped_optim.state_dict(), full, ids, plain_optim.state_dict()
+
+
+def _rekey_to_names(groups: bool, uop: bool) -> None:
+    ours, theirs = both(_rekeyed, groups, uop)
+    assert_same(ours, theirs, "rekey")
+    names, _, sharded, live, full, ids, plain = ours
+    assert_same(by_key(sharded), live, "the re-keyed plain state sharded = the wrapped optimizer's own")
+    assert_same(by_key(ids)["state"], plain["state"], "full re-keyed to plain ids.state")
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one_group", "two_groups"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat", "uop"])
+def test_rekey_to_names_as_torch(groups: bool, uop: bool) -> None:
+    run_on_ranks(_rekey_to_names, 2, groups, uop)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Part 1: the optimizer's parameter order differs across ranks
+
+
+def _every_api(lib: Any, groups: bool, reverse: bool, uop: bool, **model_kwargs: Any) -> dict[str, Any]:
+    """Every optimizer-state API's output (and the dicts it loads), of a model trained 2 steps."""
+    model, optim, inputs = trained(lib, groups, reverse, uop=uop, **model_kwargs)
+    fsdp, full_type, sharded_type = lib.FullyShardedDataParallel, "FULL_STATE_DICT", "SHARDED_STATE_DICT"
+    out: dict[str, Any] = {}
+    for rank0_only in (False, True):
+        full = with_type(lib, model, full_type, lambda: fsdp.optim_state_dict(model, optim), rank0_only)
+        out[f"full rank0_only={rank0_only}"] = full
+        load = functools.partial(fsdp.optim_state_dict_to_load, model, optim, full)
+        out[f"loaded full rank0_only={rank0_only}"] = with_type(lib, model, full_type, load, rank0_only)
+    sharded = with_type(lib, model, sharded_type, lambda: fsdp.optim_state_dict(model, optim))
+    out["sharded"] = sharded
+    local = with_type(lib, model, "LOCAL_STATE_DICT", lambda: fsdp.optim_state_dict(model, optim))
+    out["local"] = local
+    out["loaded local"] = with_type(
+        lib, model, "LOCAL_STATE_DICT", lambda: fsdp.optim_state_dict_to_load(model, optim, local)
+    )
+    out["loaded sharded"] = with_type(
+        lib, model, sharded_type, lambda: fsdp.optim_state_dict_to_load(model, optim, sharded)
+    )
+    # full_optim_state_dict offloads, which aliases torch's values on CPU with use_orig_params (FACTS bug #2).
+    legacy = out["full rank0_only=False"] if uop else quiet(fsdp.full_optim_state_dict, model, optim, rank0_only=False)
+    if not uop:
+        out["full_optim_state_dict"] = legacy
+        out["full_optim_state_dict rank0_only"] = quiet(fsdp.full_optim_state_dict, model, optim)
+    out["sharded_optim_state_dict"] = quiet(fsdp.sharded_optim_state_dict, model, optim)
+    out["flatten_sharded"] = quiet(fsdp.flatten_sharded_optim_state_dict, out["sharded_optim_state_dict"], model, optim)
+    out["shard_full optim"] = quiet(fsdp.shard_full_optim_state_dict, legacy, model, optim=optim)
+    out["shard_full optim_input"] = quiet(fsdp.shard_full_optim_state_dict, legacy, model, optim_input=inputs)
+    rank0 = legacy if dist.get_rank() == 0 else None
+    out["scatter optim"] = quiet(fsdp.scatter_full_optim_state_dict, rank0, model, optim=optim)
+    out["scatter optim_input"] = quiet(fsdp.scatter_full_optim_state_dict, rank0, model, optim_input=inputs)
+    out["live"] = optim.state_dict()
+    return out
+
+
+def _orders_differ(groups: bool, uop: bool) -> None:
+    ours, theirs = both(_every_api, groups, True, uop)
+    for what, value in ours.items():
+        assert not isinstance(value, str), (what, value)
+        assert_same(value, theirs[what], what)
+        if what.startswith(("loaded", "shard_full", "scatter", "flatten")):
+            assert_same(by_key(value), ours["live"], f"{what} = the optimizer's own state")
+    same_order = _every_api(fsdp_legacy, groups, False, uop)
+    for what in ("full rank0_only=False", "full rank0_only=True", "full_optim_state_dict"):
+        if what in ours:  # the states (param_groups list each rank's own order, in torch too)
+            state, expected = ours[what].get("state"), same_order[what].get("state")
+            assert_same(state, expected, f"{what}: as with the same order.state")
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one_group", "two_groups"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat", "uop"])
+def test_parameter_order_differing_across_ranks_as_torch(groups: bool, uop: bool) -> None:
+    run_on_ranks(_orders_differ, 2, groups, uop)
+
+
+def test_parameter_order_differing_across_four_ranks_as_torch() -> None:
+    run_on_ranks(_orders_differ, 4, True, False)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Part 3: parameters outside FSDP in the optimizer
+
+
+def _outside_fsdp(where: str, uop: bool) -> None:
+    kwargs = {"ignore": True} if where == "ignored" else {"unmanaged": "root"}
+    ours, theirs = both(_every_api, where == "ignored", False, uop, **kwargs)  # groups leave out root parameters
+    outside = "block2.2.bias_module0.bias" if where == "ignored" else "unmanaged_param"
+    assert outside in ours["full rank0_only=False"]["state"]
+    for what, value in ours.items():
+        assert not isinstance(value, str), (what, value)
+        assert_same(value, theirs[what], what)
+        if what.startswith(("loaded", "shard_full", "scatter", "flatten")):
+            assert_same(by_key(value), ours["live"], f"{what} = the optimizer's own state")
+
+
+@pytest.mark.parametrize("where", ["ignored", "beside"])
+@pytest.mark.parametrize("uop", [False, True], ids=["flat", "uop"])
+def test_parameters_outside_fsdp_as_torch(where: str, uop: bool) -> None:
+    run_on_ranks(_outside_fsdp, 2, where, uop)
+
+
+def _into_unmanaged(lib: Any, where: str) -> Any:
+    """torch's case: a full dict of the plain wrapping loaded into a model with one more parameter, beside the units
+    (loads; the parameter has no state) or inside one (refused: its flat parameter would need an invented `step`)."""
+    model, optim, _ = trained(lib)
+    full = quiet(lib.FullyShardedDataParallel.full_optim_state_dict, model, optim, rank0_only=False)
+    target = nested_model(lib, unmanaged=where)
+    return quiet(
+        lib.FullyShardedDataParallel.shard_full_optim_state_dict, full, target, optim_input=list(target.parameters())
+    )
+
+
+def _load_with_unmanaged(world_size: int) -> None:
+    for where in ("root", "unit"):
+        ours, theirs = both(_into_unmanaged, where)
+        if where == "unit":
+            assert isinstance(theirs, str) and theirs.startswith("ValueError: All unflattened parameters comprising")
+        assert_same(ours, theirs, f"unmanaged parameter on the {where}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_full_dict_into_model_with_unmanaged_parameter_as_torch(world_size: int) -> None:
+    run_on_ranks(_load_with_unmanaged, world_size, world_size)
