@@ -389,3 +389,44 @@ def _load_with_unmanaged(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_full_dict_into_model_with_unmanaged_parameter_as_torch(world_size: int) -> None:
     run_on_ranks(_load_with_unmanaged, world_size, world_size)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Part 2: a full dict loaded into another wrapping ("wrap_alt") or half the world ("halve_world_size")
+
+
+def _elsewhere(lib: Any, groups: bool, wrap: str, group: Any) -> tuple:
+    """The full dict of the usual wrapping over the world, loaded into `wrap` over `group` by both older APIs; and
+    what the target's own optimizer holds after the same steps."""
+    fsdp = lib.FullyShardedDataParallel
+    model, optim, _ = trained(lib, groups)
+    full = quiet(fsdp.full_optim_state_dict, model, optim)  # rank0_only: rank 0 alone holds it
+    if group is None:  # not in the smaller world
+        return ()
+    target, target_optim, _ = trained(lib, groups, wrap=wrap, group=group)
+    holder = [full]
+    dist.broadcast_object_list(holder, group=group, group_src=0)
+    sharded = quiet(fsdp.shard_full_optim_state_dict, holder[0], target, optim=target_optim)
+    rank0 = full if dist.get_rank() == 0 else None
+    scattered = quiet(fsdp.scatter_full_optim_state_dict, rank0, target, optim=target_optim, group=group)
+    return sharded, scattered, target_optim.state_dict()
+
+
+def _load_elsewhere(groups: bool, wrap: str, halve: bool) -> None:
+    world = dist.get_world_size()
+    group = dist.new_group(list(range(world // 2))) if halve else dist.group.WORLD
+    group = group if dist.get_rank() < (world // 2 if halve else world) else None
+    ours, theirs = both(_elsewhere, groups, wrap, group)
+    assert_same(ours, theirs, f"{wrap} halve={halve}")
+    if ours:
+        sharded, scattered, live = ours
+        assert_same(by_key(sharded), live, "shard_full_optim_state_dict = the target optimizer's own state")
+        assert_same(by_key(scattered), live, "scatter_full_optim_state_dict = the target optimizer's own state")
+
+
+@pytest.mark.parametrize(
+    "world_size,groups,wrap,halve",
+    [(2, True, "wrap_alt", False), (2, False, "wrap", True), (4, True, "wrap", True), (4, False, "wrap_alt", True)],
+)
+def test_full_dict_into_other_wrapping_and_half_world_as_torch(world_size: int, groups: bool, wrap: str, halve: bool):
+    run_on_ranks(_load_elsewhere, world_size, groups, wrap, halve)
