@@ -224,6 +224,28 @@ def test_nonzero_rank_missing_a_state_raises_on_every_rank(world_size: int) -> N
     run_on_ranks(_missing_state_raises, world_size)
 
 
+def _stateless_everywhere(lib: Any) -> Any:
+    model = nested_model(lib, uop=True)
+    params = list(model.parameters())
+    # The last parameter has no element on rank 0 and is left out of rank 1's optimizer: no rank has its state.
+    optim = torch.optim.Adam(params if dist.get_rank() == 0 else params[:-1], lr=0.01)
+    step(model, optim)
+    fsdp = lib.FullyShardedDataParallel
+    return with_type(lib, model, "FULL_STATE_DICT", lambda: fsdp.optim_state_dict(model, optim))
+
+
+def _no_state_anywhere() -> None:
+    ours, theirs = both(_stateless_everywhere)
+    assert theirs.startswith("RuntimeError: block2.2.bias_module1.bias is not in the optimizer state."), theirs
+    # Beyond torch: saved without it, as a plain optimizer's state dict leaves out a parameter without state.
+    names = [name for name, _ in Nested().named_parameters()]
+    assert sorted(ours["state"]) == sorted(set(names) - {"block2.2.bias_module1.bias"})
+
+
+def test_uop_parameter_without_state_on_any_rank_saves_without_it() -> None:
+    run_on_ranks(_no_state_anywhere, 2)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Part 5: no `param_groups`
 
