@@ -68,8 +68,8 @@ class Runtime:
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
         if unit._handles:
-            recompute = unit._handles[0].training_state == HandleTrainingState.BACKWARD_PRE  # checkpointed re-run
-            if self.exec_order is not None and not recompute:
+            # (not for an activation-checkpointed re-run in backward, as torch)
+            if self.exec_order is not None and unit._handles[0].training_state != HandleTrainingState.BACKWARD_PRE:
                 self.exec_order.pre_forward(unit, unit.training)
             for handle in unit._handles:
                 if not handle.needs_unshard:  # a gathering unit writes back in unshard(), before its all-gather
