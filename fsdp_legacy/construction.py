@@ -99,15 +99,14 @@ def _resolve_group(
         )
     if hybrid:
         if device_mesh is not None:
-            if device_mesh.ndim != 2:
-                raise ValueError(
-                    f"Hybrid sharding needs a 2-D device_mesh (replicate, shard), got {device_mesh.ndim}-D"
-                )
+            if device_mesh.ndim != 2:  # torch's message
+                raise ValueError(f"Expected device_mesh to have ndim=2 but got {device_mesh.ndim}")
             return device_mesh.get_group(mesh_dim=1), device_mesh.get_group(mesh_dim=0)
-        if not (isinstance(process_group, tuple) and len(process_group) == 2):
-            raise ValueError(
-                "Hybrid sharding takes process_group=(shard_group, replicate_group) or a 2-D device_mesh, got "
-                f"{process_group!r}"
+        pair = isinstance(process_group, tuple) and len(process_group) == 2
+        if not pair or not all(isinstance(pg, dist.ProcessGroup) for pg in process_group):
+            raise ValueError(  # torch's message, word for word
+                "Expected process_group to be passed in as either None or "
+                f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}"
             )
         return process_group
     if isinstance(process_group, tuple):

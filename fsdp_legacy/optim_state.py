@@ -189,38 +189,82 @@ def _save(
 ) -> dict[str, Any]:
     osd = optim.state_dict() if osd is None else osd
     entries = _entries(model, optim)
+    rank0_keys = None if _uses_orig_params(model) else _check_rank0_states(entries, osd["state"], group)
     local = _local_state_by_fqn(entries, osd["state"])
     specs = _global_specs(local, group)
     rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank(group) == 0
     full = kind == StateDictType.FULL_STATE_DICT
     values: dict[str, dict[str, Any]] = {}  # fqn -> name -> saved value
-    by_handle: dict[int, list[tuple[int, _Entry]]] = {}  # a flat parameter's originals are gathered together
     for key, (_, entry) in enumerate(entries):
-        if entry.handle is not None:
-            by_handle.setdefault(id(entry.handle), []).append((key, entry))
-        elif keep:
+        if entry.handle is None and keep:
             values[entry.fqns[0]] = {
                 n: _copy_scalar(v) if _is_scalar(v) else _copy(v, config.offload_to_cpu)
                 for n, v in osd["state"].get(key, {}).items()
             }
-    for handle_entries in by_handle.values():
-        unit, handle = handle_entries[0][1].unit, handle_entries[0][1].handle
-        assert unit is not None and handle is not None
-        for fqn, info, gathered in _gather_handle(handle, handle_entries, osd["state"], local, specs):
+    # Units gather in the model's order, the same on every rank whatever order each rank's optimizer has.
+    for unit, handle, infos in _handles_in_model_order(model):
+        if not any(fqn in specs for _, fqn in infos):
+            continue
+        for fqn, info, gathered in _gather_handle(handle, infos, local, specs):
             if keep:
                 record = handle.dtensors.get(info)
                 values[fqn] = {n: _save_value(v, unit, handle, full, config, record) for n, v in gathered.items()}
     if not keep:
         return {}
-    state = {fqn: values[fqn] for _, entry in entries for fqn in entry.fqns if values.get(fqn)}
+    # torch's order: rank 0's optimizer's with flat parameters (it takes rank 0's keys), else this rank's.
+    first = [fqn for fqns in rank0_keys or () for fqn in fqns]
+    order = dict.fromkeys([*first, *(fqn for _, entry in entries for fqn in entry.fqns)])
+    state = {fqn: values[fqn] for fqn in order if values.get(fqn)}
     if any(entry.handle is not None and entry.handle.use_orig_params for _, entry in entries):
         state = _in_torch_uop_order(state, entries)
+    if "param_groups" not in osd:  # a state alone saves as a state alone, as in torch
+        return {"state": state}
     param_groups = []
     for index, saved_group in enumerate(osd["param_groups"]):
         fqns = [fqn for g, entry in entries if g == index for fqn in entry.fqns]
         param_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": fqns})
     return {"state": state, "param_groups": param_groups}
+
+
+def _uses_orig_params(model: nn.Module) -> bool:
+    unit = next((m for m in model.modules() if isinstance(m, FSDPUnit)), None)
+    return unit is not None and all(handle.use_orig_params for handle in unit._handles)
+
+
+def _check_rank0_states(
+    entries: list[tuple[int, _Entry]], state: dict[Any, Any], group: dist.ProcessGroup | None
+) -> list[tuple[str, ...]] | None:
+    """With flat parameters torch takes rank 0's list of states as the one every rank gathers; a rank lacking one of
+    them would skip a gather and hang the others, so every rank raises torch's RuntimeError instead."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    held = [entry.fqns for key, (_, entry) in enumerate(entries) if key in state]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, held, group=group)
+    missing = [[fqns for fqns in everyone[0] if fqns not in set(mine)] for mine in everyone]
+    if any(missing):  # torch's message, word for word
+        raise RuntimeError(
+            "FSDP currently requires each rank to have at least the optimizer states needed by rank 0's optimizer "
+            "but some ranks are missing some of those states"
+            + "".join(
+                f"\nRank {rank} is missing states for the parameters: {keys}"
+                for rank, keys in enumerate(missing)
+                if keys
+            )
+        )
+    return everyone[0]
+
+
+def _handles_in_model_order(model: nn.Module) -> list[tuple[FSDPUnit, FlatParamHandle, list[tuple[ParamInfo, str]]]]:
+    """(unit, flat parameter, [(layout info, FQN)]) of every flat parameter, in an order every rank shares."""
+    handles: dict[int, tuple[FSDPUnit, FlatParamHandle, list[tuple[ParamInfo, str]]]] = {}
+    for entry in entries_by_param(model).values():
+        if entry.unit is not None and entry.handle is not None:
+            handles.setdefault(id(entry.handle), (entry.unit, entry.handle, []))[2].extend(
+                zip(entry.infos, entry.fqns, strict=True)
+            )
+    return list(handles.values())
 
 
 def _in_torch_uop_order(state: dict[str, Any], entries: list[tuple[int, _Entry]]) -> dict[str, Any]:
@@ -237,31 +281,29 @@ def _in_torch_uop_order(state: dict[str, Any], entries: list[tuple[int, _Entry]]
 
 def _gather_handle(
     handle: FlatParamHandle,
-    unit_entries: list[tuple[int, _Entry]],
-    state: dict[int, dict[str, Any]],
+    infos: list[tuple[ParamInfo, str]],
     local_by_fqn: dict[str, dict[str, Any]],
     specs: dict[str, dict],
 ) -> Iterable[tuple[str, ParamInfo, dict[str, Any]]]:
-    """(fqn, layout info, {state name: full tensor view or scalar}) of the unit's parameters that have state
-    anywhere; a scalar is this rank's own where it has one, else another rank's."""
+    """(fqn, layout info, {state name: full tensor view or scalar}) of the unit's parameters (`infos`, in the model's
+    order) that have state anywhere; a scalar is this rank's own where it has one, else another rank's."""
     shard_numel = handle.local_shard.numel()
     pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
-    infos = [(info, fqn) for _, e in unit_entries for info, fqn in zip(e.infos, e.fqns, strict=True)]
     names = {name: spec[1] for _, fqn in infos for name, spec in specs.get(fqn, {}).items() if spec[0]}
     gathered: dict[str, torch.Tensor] = {}
     for name, dtype in names.items():
         local = torch.zeros(shard_numel, dtype=dtype, device=handle.local_shard.device)
-        for key, entry in unit_entries:
-            value = state.get(key, {}).get(name)
+        for info, fqn in infos:
+            value = local_by_fqn.get(fqn, {}).get(name)
             if value is None:
                 continue
             if not handle.use_orig_params:
                 local.copy_(value.reshape(-1))  # the flat parameter's state is this rank's whole shard
-            elif not handle.sharded:
-                info = entry.infos[0]
+                break
+            if not handle.sharded:
                 local[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
-            elif entry.infos[0] in pieces:
-                piece = pieces[entry.infos[0]]
+            elif info in pieces:
+                piece = pieces[info]
                 local[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard].copy_(value.reshape(-1))
         if handle.sharded:
             flat = torch.empty(handle.layout.padded_numel, dtype=dtype, device=local.device)
@@ -363,7 +405,8 @@ def _to_load(
     entries = _entries(model, optim)
     saved = _by_clean_fqn(osd["state"], entries_by_param(model))
     state: dict[int, dict[str, Any]] = {}
-    for key, (_, entry) in enumerate(entries):
+    for key in _keys_in_model_order(model, optim):
+        entry = entries[key][1]
         handle = entry.handle
         value_group = handle.group if handle is not None else group or dist.group.WORLD
         assert value_group is not None
@@ -384,7 +427,7 @@ def _to_load(
         if handle is None:
             local = {n: _copy_scalar(v) if _is_scalar(v) else v.clone() for n, v in fulls[0].items()}
         elif not handle.use_orig_params:
-            local = _flat_local(handle, entry.infos, fulls)
+            local = _flat_local(handle, entry, fulls)
         else:
             local = _piece_local(handle, entry.infos[0], fulls[0])
         if local:
@@ -392,6 +435,14 @@ def _to_load(
     if "param_groups" not in osd:  # a state alone loads as a state alone, as in torch
         return {"state": state}
     return {"state": state, "param_groups": _param_groups(optim, entries, osd["param_groups"])}
+
+
+def _keys_in_model_order(model: nn.Module, optim: ParamGroups) -> list[int]:
+    """The optimizer's ids in the order of the model's parameters: the same on every rank, whose optimizers can order
+    them differently, so that values are reassembled in step; and torch's order of the loaded states."""
+    params = [param for group in optim.param_groups for param in group["params"]]
+    position = {param: index for index, param in enumerate(model.parameters())}
+    return sorted(range(len(params)), key=lambda key: position.get(params[key], len(position)))
 
 
 def _by_clean_fqn(saved: dict[Any, Any], entries: dict[nn.Parameter, _Entry]) -> dict[str, Any]:
@@ -433,13 +484,15 @@ def _check_shapes(fqn: str, values: dict[str, Any], shape: torch.Size) -> None:
             )
 
 
-def _flat_local(handle: FlatParamHandle, infos: tuple[ParamInfo, ...], fulls: list[dict[str, Any]]) -> dict[str, Any]:
+def _flat_local(handle: FlatParamHandle, entry: _Entry, fulls: list[dict[str, Any]]) -> dict[str, Any]:
     """use_orig_params=False: the flat parameter's state is this rank's shard of the concatenated full states
-    (padding and parameters without that state are zeros); scalars come from the first parameter that has them."""
+    (padding and parameters without that state are zeros); none when the first parameter has none, as torch."""
     local: dict[str, Any] = {}
+    if not fulls[0]:
+        return local
     n = handle.local_shard.numel()
     lo = handle.rank * n if handle.sharded else 0
-    for info, values in zip(infos, fulls, strict=True):
+    for info, values in zip(entry.infos, fulls, strict=True):
         for name, value in values.items():
             if _is_scalar(value):
                 local.setdefault(name, _copy_scalar(value))
@@ -449,7 +502,28 @@ def _flat_local(handle: FlatParamHandle, infos: tuple[ParamInfo, ...], fulls: li
             start, end = max(lo, info.offset), min(lo + n, info.offset + info.numel)
             if start < end:
                 local[name][start - lo : end - lo].copy_(value.reshape(-1)[start - info.offset : end - info.offset])
+    for name in [name for name, value in local.items() if _is_scalar(value)]:
+        _check_one_scalar(name, [values.get(name) for values in fulls], list(entry.fqns))
     return local
+
+
+def _check_one_scalar(name: str, values: list[Any], fqns: list[str]) -> None:
+    """A flat parameter has one `step` for all its parameters: torch refuses to invent one for a parameter without
+    it (no step means full bias correction) or to pick among differing ones; its messages, word for word."""
+    prefix = "All unflattened parameters comprising a single flat parameter must have scalar state with the same value"
+    missing = any(value is None for value in values)
+    if isinstance(next(v for v in values if v is not None), torch.Tensor):
+        numbers = {v.item() if v is not None else None for v in values}
+        dtypes = {v.dtype if v is not None else None for v in values}
+        if missing or len(numbers) != 1 or len(dtypes) != 1:
+            raise ValueError(
+                f"{prefix} and dtype but got values {numbers} and dtypes {dtypes} for state {name} and unflattened "
+                f"parameter names {fqns}"
+            )
+    elif missing or len(set(values)) != 1:
+        raise ValueError(
+            f"{prefix} and dtype but got values {set(values)} for state {name} and  unflattened parameter names {fqns}"
+        )
 
 
 def _piece_local(handle: FlatParamHandle, info: ParamInfo, values: dict[str, Any]) -> dict[str, Any]:
@@ -472,7 +546,7 @@ def _param_groups(optim: ParamGroups, entries: list[tuple[int, _Entry]], saved: 
         return [
             {
                 **{k: v for k, v in group.items() if k != "params"},
-                "params": list(dict.fromkeys(id_of[f] for f in group["params"] if f in id_of)),
+                "params": sorted({id_of[f] for f in group["params"] if f in id_of}),  # as torch: ids sorted
             }
             for group in saved
         ]

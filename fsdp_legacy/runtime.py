@@ -21,6 +21,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .api import BackwardPrefetch
+from .exec_order import ExecOrderCheck, enabled
 from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
 from .unit import FSDPUnit, TrainingState
 
@@ -50,6 +51,8 @@ class Runtime:
         # Per unit with frozen flat parameters: its runs in this iteration whose backward is still to come (-1: a run
         # that cannot be tracked, so they reshard at the end of backward).
         self.frozen_runs: dict[FSDPUnit, int] = {}
+        # torch's execution-order checks, at the DETAIL debug level only (else no cost but this None).
+        self.exec_order = ExecOrderCheck(root, units) if enabled() else None
 
     # ----------------------------------------------------------------------------------------------------------------
     # Forward
@@ -65,6 +68,9 @@ class Runtime:
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
         if unit._handles:
+            # (not for an activation-checkpointed re-run in backward, as torch)
+            if self.exec_order is not None and unit._handles[0].training_state != HandleTrainingState.BACKWARD_PRE:
+                self.exec_order.pre_forward(unit, unit.training)
             for handle in unit._handles:
                 if not handle.needs_unshard:  # a gathering unit writes back in unshard(), before its all-gather
                     handle.writeback_orig_params()
@@ -204,6 +210,8 @@ class Runtime:
         self.frozen_runs.clear()
         self.backward_callback_queued = False
         self.iteration_done = True
+        if self.exec_order is not None:
+            self.exec_order.next_iteration()
 
     def _finish_oldest_reduction(self) -> None:
         pending = self.pending.popleft()
