@@ -275,8 +275,8 @@ def _mark_fp32_modules(root: nn.Module, classes: tuple[type[nn.Module], ...]) ->
         )
 
 
-# torch's wording of that warning: "instacnes" until torch 2.15 corrected it.
-_INSTANCES = "instances" if TorchVersion(torch.__version__) >= "2.15" else "instacnes"
+# torch's wording of that warning: "instacnes" until torch 2.14 corrected it.
+_INSTANCES = "instances" if TorchVersion(torch.__version__) >= "2.14" else "instacnes"
 
 
 def _run_in_fp32(module: nn.Module) -> None:
