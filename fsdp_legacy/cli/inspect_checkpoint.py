@@ -30,6 +30,7 @@ from ..convert.loading import LocalShards, load_rank_file, safe_load
 from ..convert.rank_files import rank_files_in
 from ..convert.record import is_flat_key
 from ..convert.safetensors_files import SafetensorsDirectory
+from ..convert.torch_file import load_tree
 from ..convert.verl_files import clean_fqn, verl_files
 from ..convert.views import Composite, Rename, renamed
 from .common import EXIT_CODES, EXIT_OK, UsageError, check_source, human_bytes, progress
@@ -128,14 +129,7 @@ def _indexed_note(changed: list[bool]) -> list[str]:
 
 
 def _torch_file(path: str) -> Opened:
-    tree = safe_load(path, path, mmap=True)  # weights_only; memory-mapped, so no tensor data is read
-    if not isinstance(tree, Mapping):
-        raise CheckpointError(
-            f"{path} holds a {type(tree).__name__}, not a state dict: expected a dict such as "
-            '{"model": model_state_dict, "optim": optim_state_dict} or a model state dict.'
-        )
-    if "model" not in tree and tree and all(isinstance(v, torch.Tensor) for v in tree.values()):
-        tree = {"model": tree}  # torch.save(model.state_dict())
+    tree = load_tree(path)  # no check of the tensors' CRCs: inspect reads no tensor data
     changed: list[bool] = []
     tree = _str_keys(tree, changed)
     opened = Opened(_Described(path, flatten(tree, path)), "full", "one torch.save file", notes=_indexed_note(changed))

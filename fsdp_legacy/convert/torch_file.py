@@ -22,20 +22,26 @@ from .integrity import check_archive, rewrite_crcs
 from .loading import safe_load
 
 
+def load_tree(path: str) -> Mapping:
+    """A full torch.save file's dict, weights_only and memory-mapped (no tensor data read yet); a bare model state
+    dict comes as {"model": ...}."""
+    tree = safe_load(path, path, mmap=True)
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(
+            f"{path} holds a {type(tree).__name__}, not a state dict: expected a dict such as "
+            '{"model": model_state_dict, "optim": optim_state_dict} or a model state dict.'
+        )
+    if "model" not in tree and tree and all(isinstance(v, torch.Tensor) for v in tree.values()):
+        tree = {"model": tree}  # torch.save(model.state_dict())
+    return tree
+
+
 class TorchFile(Checkpoint):
     def __init__(self, path: str) -> None:
         self.location = path
         with open(path, "rb") as file:
             check_archive(file, path)
-        tree = safe_load(path, path, mmap=True)
-        if not isinstance(tree, Mapping):
-            raise CheckpointError(
-                f"{path} holds a {type(tree).__name__}, not a state dict: expected a dict such as "
-                '{"model": model_state_dict, "optim": optim_state_dict} or a model state dict.'
-            )
-        if "model" not in tree and tree and all(isinstance(v, torch.Tensor) for v in tree.values()):
-            tree = {"model": tree}  # torch.save(model.state_dict())
-        self._values = flatten(tree, path)
+        self._values = flatten(load_tree(path), path)
         for key, value in self._values.items():
             if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter):
                 raise CheckpointError(
