@@ -1,10 +1,12 @@
-"""Construction helpers of FullyShardedDataParallel: resolving its arguments (enums, ignored states, process groups,
-the compute device), preparing the module before flattening (meta-device materialisation, moving, broadcasting from
-rank 0), and grouping the parameters a unit manages by dtype and registration order."""
+"""Construction of FullyShardedDataParallel before flattening: resolving its arguments into a UnitSetup (enums,
+ignored states, process groups, the compute device) and preparing the module (meta-device materialisation, moving,
+broadcasting from rank 0). What the unit manages is found afterwards in one walk: unit_plan.py."""
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -13,38 +15,83 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
 
-from .flat_param import iter_unit_modules
-from .naming import join_fqn
+from .api import BackwardPrefetch, ShardingStrategy
 from .tensor_parallel import local_tensor
 from .unit import FSDPUnit
-
-
-def _registration_order(module: nn.Module, managed: set[nn.Parameter], is_boundary) -> dict[str, int]:
-    """Clean FQN (relative to the unit's module) of every reference to a managed parameter -> its rank in
-    nn.Module's order (modules in pre-order, each module's parameters in registration order)."""
-    order: dict[str, int] = {}
-    for module_name, sub in iter_unit_modules(module, is_boundary):
-        for name, param in sub._parameters.items():
-            if param is not None and param in managed:
-                order.setdefault(join_fqn(module_name, name), len(order))
-    return order
-
-
-def _by_dtype(module: nn.Module, managed: set[nn.Parameter], is_boundary) -> list[set[nn.Parameter]]:
-    """The managed parameters grouped by dtype, groups in the order their first parameter appears in the unit."""
-    groups: dict[torch.dtype, set[nn.Parameter]] = {}
-    for _, sub in iter_unit_modules(module, is_boundary):
-        for param in sub._parameters.values():
-            if param is not None and param in managed:
-                groups.setdefault(param.dtype, set()).add(param)
-    return list(groups.values())
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # Argument resolution
 
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
-def _coerce(enum_cls: type[Enum], value: Any) -> Any:
+
+@dataclass(frozen=True)
+class UnitSetup:
+    """A unit's constructor arguments, resolved: what it leaves alone, which ranks share it, where it computes."""
+
+    sharding_strategy: ShardingStrategy
+    backward_prefetch: BackwardPrefetch | None
+    ignored_modules: set[nn.Module]  # the ignored modules and all their submodules
+    ignored_params: set[nn.Parameter]
+    process_group: dist.ProcessGroup  # the ranks a unit shards over
+    replicate_group: dist.ProcessGroup | None  # hybrid sharding: the ranks holding the same shard
+    compute_device: torch.device
+    # What auto-wrapped children are given (hybrid sharding without groups: the node groups made here, once).
+    children_process_group: Any
+
+
+def resolve_setup(
+    module: nn.Module,
+    *,
+    process_group: Any,
+    device_mesh: Any,
+    sharding_strategy: Any,
+    backward_prefetch: Any,
+    ignored_modules: Iterable[nn.Module] | None,
+    ignored_states: Any,
+    device_id: Any,
+    auto_wrapping: bool,
+) -> UnitSetup:
+    strategy = coerce_enum(ShardingStrategy, sharding_strategy) or ShardingStrategy.FULL_SHARD
+    prefetch = coerce_enum(BackwardPrefetch, backward_prefetch)
+    ignored_all, ignored_params = resolve_ignored(module, ignored_modules, ignored_states)
+    hybrid = strategy in HYBRID_STRATEGIES
+    if hybrid and process_group is None and device_mesh is None:
+        if not auto_wrapping:
+            raise ValueError(
+                f"Manual wrapping with {strategy} requires explicit specification of process group or device_mesh."
+            )
+        process_group = node_groups()
+    shard_group, replicate_group = resolve_groups(process_group, device_mesh, hybrid)
+    device = compute_device(module, device_id, shard_group, ignored_params)
+    return UnitSetup(
+        strategy, prefetch, ignored_all, ignored_params, shard_group, replicate_group, device, process_group
+    )
+
+
+def fall_back_for_one_rank(setup: UnitSetup) -> UnitSetup:
+    """torch FSDP1's rules, applied once the children are built: a single rank shards nothing (NO_SHARD, with a
+    warning), and NO_SHARD chosen by the user is deprecated."""
+    strategy = setup.sharding_strategy
+    if setup.process_group.size() == 1 and strategy != ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.", stacklevel=3
+        )
+        setup = dataclasses.replace(setup, sharding_strategy=ShardingStrategy.NO_SHARD)
+        if setup.replicate_group is not None:  # hybrid with one rank per shard group: plain replication
+            setup = dataclasses.replace(setup, process_group=setup.replicate_group, replicate_group=None)
+        return setup
+    if strategy == ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+            "`DistributedDataParallel` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return setup
+
+
+def coerce_enum(enum_cls: type[Enum], value: Any) -> Any:
     """Accept our enums and torch's equally (users mix imports): map by member name."""
     if value is None or isinstance(value, enum_cls):
         return value
@@ -53,7 +100,7 @@ def _coerce(enum_cls: type[Enum], value: Any) -> Any:
     raise ValueError(f"Expected a {enum_cls.__name__} but got {value!r}")
 
 
-def _resolve_ignored(
+def resolve_ignored(
     module: nn.Module, ignored_modules: Iterable[nn.Module] | None, ignored_states: Any
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     if ignored_modules is not None and ignored_states is not None:
@@ -78,13 +125,13 @@ def _resolve_ignored(
         warnings.warn(
             "Trying to ignore the top-level module passed into the FSDP constructor itself will result in all "
             f"parameters being ignored and is not well-supported: {module}",
-            stacklevel=3,
+            stacklevel=4,
         )
     params |= {p for m in ignored_modules_all for p in m.parameters(recurse=False)}
     return ignored_modules_all, params
 
 
-def _resolve_group(
+def resolve_groups(
     process_group: Any, device_mesh: Any, hybrid: bool
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """(the group a unit shards over, the group across which hybrid sharding replicates, or None)."""
@@ -121,7 +168,7 @@ def _resolve_group(
     return (process_group if process_group is not None else _get_default_group()), None
 
 
-def _node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Hybrid sharding without explicit groups: shard within a node (LOCAL_WORLD_SIZE consecutive ranks, as torchrun
     assigns them) and replicate across nodes. Every rank must call this (group creation is collective)."""
     world = dist.get_world_size()
@@ -133,7 +180,7 @@ def _node_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return shard, replicate
 
 
-def _compute_device(
+def compute_device(
     module: nn.Module, device_id: Any, group: dist.ProcessGroup, ignored: set[nn.Parameter]
 ) -> torch.device:
     if device_id is not None:
@@ -172,7 +219,7 @@ def _breadth_first(root: nn.Module, is_boundary: Callable[[nn.Module], bool]) ->
     return found
 
 
-def _materialize_and_move(module: nn.Module, device: torch.device, param_init_fn, is_boundary) -> None:
+def materialize_and_move(module: nn.Module, device: torch.device, param_init_fn, is_boundary) -> None:
     """Materialise a meta-device unit as torch's FSDP1 does, each of its modules in breadth-first order:
     `param_init_fn(module)` for every one, else `to_empty` + `reset_parameters()` for those holding tensors. Then move
     the unit's tensors to `device`."""
@@ -198,10 +245,9 @@ def _materialize_and_move(module: nn.Module, device: torch.device, param_init_fn
                     sub._buffers[name] = buffer.to(device)
 
 
-def _broadcast_from_rank0(module: nn.Module, managed: set[nn.Parameter], is_boundary, group: dist.ProcessGroup) -> None:
+def broadcast_from_rank0(states: Iterable[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """sync_module_states: every rank takes rank 0's values of the unit's parameters and buffers (UnitPlan order)."""
     source = dist.get_global_rank(group, 0)
     with torch.no_grad():
-        for _, sub in iter_unit_modules(module, is_boundary):
-            for t in (*sub._parameters.values(), *sub._buffers.values()):
-                if t is not None and (t in managed or not isinstance(t, nn.Parameter)):
-                    dist.broadcast(local_tensor(t.data), src=source, group=group)  # (a DTensor's own piece)
+        for tensor in states:
+            dist.broadcast(local_tensor(tensor.data), src=source, group=group)  # (a DTensor's own piece)

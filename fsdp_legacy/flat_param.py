@@ -26,6 +26,20 @@ ALIGNMENT_BYTES = 16
 
 
 @dataclass(frozen=True)
+class ParamRef:
+    """One reference to a parameter as a unit's walk finds it (a tied parameter has several)."""
+
+    module_name: str  # clean, relative to the unit's wrapped module
+    module: nn.Module
+    param_name: str
+    param: nn.Parameter
+
+    @property
+    def fqn(self) -> str:
+        return join_fqn(self.module_name, self.param_name)
+
+
+@dataclass(frozen=True)
 class ParamInfo:
     """One original parameter stored in a flat parameter."""
 
@@ -167,35 +181,30 @@ def plan_segments(
     return tuple(offsets), tuple(segments), total
 
 
-def build_layout(
-    root: nn.Module,
-    managed: set[nn.Parameter],
-    is_boundary: Callable[[nn.Module], bool],
-    world_size: int,
-    aligned_numel: int,
-) -> FlatParamLayout:
-    """Lay out the parameters of `managed` found below `root` the way torch FSDP1 does (see `plan_segments`)."""
-    found: list[tuple[str, nn.Module, str, nn.Parameter]] = []
-    shared: list[tuple[nn.Module, str, str, nn.Parameter]] = []
+def build_layout(references: Sequence[ParamRef], world_size: int, aligned_numel: int) -> FlatParamLayout:
+    """Lay out the referenced parameters, given in nn.Module order, the way torch FSDP1 does (see `plan_segments`);
+    a parameter referenced again (tied weights) is stored at its first reference."""
+    found: list[ParamRef] = []
+    shared: list[ParamRef] = []
     seen: set[nn.Parameter] = set()
-    for module_name, module in iter_unit_modules(root, is_boundary):
-        for param_name, param in module._parameters.items():
-            if param is None or param not in managed:
-                continue
-            if param in seen:
-                shared.append((module, module_name, param_name, param))
-            else:
-                seen.add(param)
-                found.append((module_name, module, param_name, param))
+    for ref in references:
+        if ref.param in seen:
+            shared.append(ref)
+        else:
+            seen.add(ref.param)
+            found.append(ref)
     # A DTensor parameter contributes its local piece (tensor_parallel.py).
-    offsets, segments, total = plan_segments([local_tensor(p).numel() for *_, p in found], aligned_numel, world_size)
+    offsets, segments, total = plan_segments(
+        [local_tensor(ref.param).numel() for ref in found], aligned_numel, world_size
+    )
     params: dict[nn.Parameter, ParamInfo] = {}
-    for (module_name, module, param_name, param), offset in zip(found, offsets, strict=True):
-        fqn = f"{module_name}.{param_name}" if module_name else param_name
-        params[param] = ParamInfo(fqn, module, module_name, param_name, local_tensor(param).shape, offset)
+    for ref, offset in zip(found, offsets, strict=True):
+        params[ref.param] = ParamInfo(
+            ref.fqn, ref.module, ref.module_name, ref.param_name, local_tensor(ref.param).shape, offset
+        )
     return FlatParamLayout(
         tuple(params.values()),
-        tuple(SharedParamInfo(module, name, param_name, params[p]) for module, name, param_name, p in shared),
+        tuple(SharedParamInfo(ref.module, ref.module_name, ref.param_name, params[ref.param]) for ref in shared),
         segments,
         total,
         world_size,

@@ -11,14 +11,12 @@ import sys
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import optim_state as _optim_state
 from . import optim_state_legacy as _optim_state_legacy
@@ -27,25 +25,20 @@ from . import state_dict_loading as _state_dict_loading
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .clip_grad import clip_grad_norm_
 from .construction import (
-    _broadcast_from_rank0,
-    _by_dtype,
-    _coerce,
-    _compute_device,
-    _materialize_and_move,
-    _node_groups,
-    _registration_order,
-    _resolve_group,
-    _resolve_ignored,
+    HYBRID_STRATEGIES,
+    broadcast_from_rank0,
+    fall_back_for_one_rank,
+    materialize_and_move,
+    resolve_setup,
 )
-from .flat_param import FlatParameter, iter_unit_modules
+from .flat_param import FlatParameter, ParamRef, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
 from .runtime import Runtime
 from .summon import summon_full_params
-from .tensor_parallel import check_param
 from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, TrainingState, fsdp_modules
+from .unit_plan import plan_unit
 
-_HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-_SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *_HYBRID_STRATEGIES)
+_SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *HYBRID_STRATEGIES)
 # What Dynamo says where it meets an FSDP unit (with fullgraph=True, an error).
 _EAGER_RUNTIME = (
     "fsdp_legacy: an FSDP unit's forward runs its all-gathers, hooks and resharding eagerly, as torch's FSDP1 does; "
@@ -88,35 +81,31 @@ class FullyShardedDataParallel(FSDPUnit):
                 f"FSDP will not all-gather parameters for containers that do not implement forward: {module}",
                 stacklevel=2,
             )
-        sharding_strategy = _coerce(ShardingStrategy, sharding_strategy) or ShardingStrategy.FULL_SHARD
-        backward_prefetch = _coerce(BackwardPrefetch, backward_prefetch)
-
-        self._ignored_modules, self._ignored_params = _resolve_ignored(module, ignored_modules, ignored_states)
-        hybrid = sharding_strategy in _HYBRID_STRATEGIES
-        if hybrid and process_group is None and device_mesh is None:
-            if auto_wrap_policy is None:
-                raise ValueError(
-                    f"Manual wrapping with {sharding_strategy} requires explicit specification of process group or "
-                    "device_mesh."
-                )
-            process_group = _node_groups()  # children receive the same pair through the root's kwargs
-        self.process_group, self._inter_node_pg = _resolve_group(process_group, device_mesh, hybrid)
+        setup = resolve_setup(
+            module,
+            process_group=process_group,
+            device_mesh=device_mesh,
+            sharding_strategy=sharding_strategy,
+            backward_prefetch=backward_prefetch,
+            ignored_modules=ignored_modules,
+            ignored_states=ignored_states,
+            device_id=device_id,
+            auto_wrapping=auto_wrap_policy is not None,
+        )
+        self._ignored_modules, self._ignored_params = setup.ignored_modules, setup.ignored_params
         self._device_mesh = device_mesh
-        self.rank = self.process_group.rank()
-        self.world_size = self.process_group.size()
-        self.compute_device = _compute_device(module, device_id, self.process_group, self._ignored_params)
-
+        self.compute_device = setup.compute_device
         for sub in module.modules():  # the marks torch.compile (Dynamo) and transformers look for, as torch sets them
             if sub not in self._ignored_modules:
                 sub.__dict__.update(_is_fsdp_managed_module=True, _fsdp_use_orig_params=use_orig_params)
         if auto_wrap_policy is not None:
             from .wrap import auto_wrap
 
-            root_kwargs = dict(
-                process_group=process_group,
-                sharding_strategy=sharding_strategy,
+            children_kwargs = dict(
+                process_group=setup.children_process_group,
+                sharding_strategy=setup.sharding_strategy,
                 cpu_offload=cpu_offload,
-                backward_prefetch=backward_prefetch,
+                backward_prefetch=setup.backward_prefetch,
                 mixed_precision=mixed_precision,
                 ignored_modules=ignored_modules,
                 param_init_fn=param_init_fn,
@@ -134,32 +123,20 @@ class FullyShardedDataParallel(FSDPUnit):
                 FullyShardedDataParallel,
                 self._ignored_modules,
                 self._ignored_params,
-                root_kwargs,
+                children_kwargs,
             )
         # After the nested units, which materialise their own modules as they are built (as in torch: the same
         # modules get param_init_fn, and random initialisation draws in the same order).
-        _materialize_and_move(module, self.compute_device, param_init_fn, self._is_boundary_for(module))
+        is_boundary = self._is_boundary_for(module)
+        materialize_and_move(module, self.compute_device, param_init_fn, is_boundary)
 
-        if self.world_size == 1 and sharding_strategy != ShardingStrategy.NO_SHARD:
-            warnings.warn(
-                f"FSDP is switching to use `NO_SHARD` instead of {sharding_strategy} since the world size is 1.",
-                stacklevel=2,
-            )
-            sharding_strategy = ShardingStrategy.NO_SHARD
-            if self._inter_node_pg is not None:  # hybrid with one rank per shard group: plain replication
-                self.process_group, self._inter_node_pg = self._inter_node_pg, None
-                self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
-        elif sharding_strategy == ShardingStrategy.NO_SHARD:
-            warnings.warn(
-                "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
-                "`DistributedDataParallel` instead.",
-                FutureWarning,
-                stacklevel=2,
-            )
-        self.sharding_strategy = sharding_strategy
+        setup = fall_back_for_one_rank(setup)
+        self.process_group, self._inter_node_pg = setup.process_group, setup.replicate_group
+        self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
+        self.sharding_strategy = setup.sharding_strategy
         self.cpu_offload = cpu_offload or CPUOffload()
         self.mixed_precision = mixed_precision or MixedPrecision()
-        self.backward_prefetch = backward_prefetch
+        self.backward_prefetch = setup.backward_prefetch
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self._use_orig_params = use_orig_params
@@ -171,42 +148,20 @@ class FullyShardedDataParallel(FSDPUnit):
         self._is_root: bool | None = None
         self._runtime: Runtime | None = None
 
-        is_boundary = self._is_boundary_for(module)
-        managed = self._managed_params(module, is_boundary)
+        plan = plan_unit(
+            module, is_boundary, self._ignored_params, FLATTENED, device_mesh, self._inter_node_pg is not None
+        )
         if sync_module_states:
             everyone = self.process_group if self._inter_node_pg is None else _get_default_group()
-            _broadcast_from_rank0(module, managed, is_boundary, everyone)
-        # One flat parameter per dtype among the managed parameters (one, as in torch, unless the unit mixes dtypes:
-        # frozen integer weights beside trainable adapters, say), each sharded and gathered on its own.
-        self._handles: list[FlatParamHandle] = []
+            broadcast_from_rank0(plan.module_states, everyone)
         # Where each parameter reference stands among its module's (a unit with several flat parameters puts them
         # back in this order when it shows them: summon_full_params, FULL and SHARDED state dicts).
-        self._registration_order: dict[str, int] = _registration_order(module, managed, is_boundary)
-        for index, group in enumerate(_by_dtype(module, managed, is_boundary)):
-            floating = next(iter(group)).is_floating_point()
-            handle = FlatParamHandle(
-                module,
-                group,
-                is_boundary,
-                self.process_group,
-                sharded=sharding_strategy in _SHARDED_STRATEGIES,
-                reshard_after_forward=sharding_strategy in _RESHARD_AFTER_FORWARD,
-                use_orig_params=use_orig_params,
-                device=self.compute_device,
-                # MixedPrecision casts floating-point parameters only: integer ones are gathered as they are.
-                param_dtype=self.mixed_precision.param_dtype if floating else None,
-                reduce_dtype=self.mixed_precision.reduce_dtype if floating else None,
-                replicate_group=self._inter_node_pg,
-                offload_params=self.cpu_offload.offload_params,
-                keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
-                flat_name=FLAT_PARAM if index == 0 else f"{FLAT_PARAM}_{index}",
-            )
-            self._handles.append(handle)
-            if handle.flat_param.requires_grad:
-                # Through a weak reference: torch's garbage collector does not see into post-accumulate-grad hooks,
-                # so a hook holding the unit would keep the whole model alive after `del model`.
-                hook = functools.partial(_post_backward_hook, weakref.ref(self), weakref.ref(handle))
-                handle.flat_param.register_post_accumulate_grad_hook(hook)
+        self._registration_order: dict[str, int] = plan.registration_order
+        # One flat parameter per dtype among the managed parameters (one, as in torch, unless the unit mixes dtypes:
+        # frozen integer weights beside trainable adapters, say), each sharded and gathered on its own.
+        self._handles: list[FlatParamHandle] = [
+            self._build_handle(module, references, index) for index, references in enumerate(plan.dtype_groups)
+        ]
         self._fsdp_wrapped_module = module
         if not use_orig_params:
             for handle in self._handles:
@@ -221,41 +176,31 @@ class FullyShardedDataParallel(FSDPUnit):
         ignored = self._ignored_modules
         return lambda m: m is not root and (isinstance(m, FullyShardedDataParallel) or m in ignored)
 
-    def _managed_params(self, module: nn.Module, is_boundary) -> set[nn.Parameter]:
-        """This unit's parameters: below `module`, not ignored, not inside a nested unit, not tied to another unit."""
-        managed = set()
-        for module_name, sub in iter_unit_modules(module, is_boundary):
-            for param_name, param in sub._parameters.items():
-                if param is None or param in self._ignored_params:
-                    continue
-                fqn = f"{module_name}.{param_name}" if module_name else param_name
-                if param in FLATTENED:
-                    raise ValueError(
-                        f"Parameter '{fqn}' of {type(sub).__name__} is tied to {FLATTENED[param]}, which already "
-                        "flattened it. A parameter can live in only one FSDP unit, so the modules sharing it must be "
-                        "wrapped together: change the auto_wrap_policy so they belong to the same unit (e.g. do not "
-                        "wrap one of them separately), or pass the parameter in ignored_states."
-                    )
-                if isinstance(param, DTensor):  # tensor parallelism: tensor_parallel.py
-                    problem = check_param(
-                        fqn, type(sub).__name__, param, self._device_mesh, self._inter_node_pg is not None
-                    )
-                    if problem:
-                        raise ValueError(problem)
-                elif is_traceable_wrapper_subclass(param.data):
-                    raise ValueError(
-                        f"Parameter '{fqn}' of {type(sub).__name__} holds a {type(param.data).__name__}, a tensor "
-                        "subclass with its own inner tensors, which a flat parameter cannot hold: FSDP1 shards the "
-                        "plain bytes of each parameter. Store the plain data in the parameter (an nn.Parameter "
-                        "subclass carrying its extra state as attributes is kept, as bitsandbytes' Params4bit does), "
-                        "or pass the parameter in ignored_states (it then stays whole on every rank)."
-                    )
-                if param.dim() == 0:
-                    raise ValueError(
-                        f"FSDP doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1."
-                    )
-                managed.add(param)
-        return managed
+    def _build_handle(self, module: nn.Module, references: Sequence[ParamRef], index: int) -> FlatParamHandle:
+        floating = references[0].param.is_floating_point()
+        strategy = self.sharding_strategy
+        handle = FlatParamHandle(
+            module,
+            references,
+            self.process_group,
+            sharded=strategy in _SHARDED_STRATEGIES,
+            reshard_after_forward=strategy in _RESHARD_AFTER_FORWARD,
+            use_orig_params=self._use_orig_params,
+            device=self.compute_device,
+            # MixedPrecision casts floating-point parameters only: integer ones are gathered as they are.
+            param_dtype=self.mixed_precision.param_dtype if floating else None,
+            reduce_dtype=self.mixed_precision.reduce_dtype if floating else None,
+            replicate_group=self._inter_node_pg,
+            offload_params=self.cpu_offload.offload_params,
+            keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
+            flat_name=FLAT_PARAM if index == 0 else f"{FLAT_PARAM}_{index}",
+        )
+        if handle.flat_param.requires_grad:
+            # Through a weak reference: torch's garbage collector does not see into post-accumulate-grad hooks, so a
+            # hook holding the unit would keep the whole model alive after `del model`.
+            hook = functools.partial(_post_backward_hook, weakref.ref(self), weakref.ref(handle))
+            handle.flat_param.register_post_accumulate_grad_hook(hook)
+        return handle
 
     # ----------------------------------------------------------------------------------------------------------------
     # nn.Module surface
@@ -415,7 +360,7 @@ class FullyShardedDataParallel(FSDPUnit):
         if not self.check_is_root():
             raise AssertionError("register_comm_hook can only be called on a root instance.")
         for unit in FullyShardedDataParallel.fsdp_modules(self):
-            if unit.sharding_strategy in _HYBRID_STRATEGIES:
+            if unit.sharding_strategy in HYBRID_STRATEGIES:
                 raise AssertionError(
                     f"Communication hook is not supported for hybrid strategies: {unit.sharding_strategy}"
                 )

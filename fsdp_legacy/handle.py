@@ -16,7 +16,7 @@ Where the sharded gradient lives:
 A unit whose parameters differ in dtype has one handle per dtype; each is what is described here.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import auto
 
@@ -28,7 +28,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _collectives as comm
 from .api import FSDPEnum
-from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, aligned_numel_for, build_layout, flatten
+from .flat_param import (
+    FlatParameter,
+    FlatParamLayout,
+    ParamInfo,
+    ParamRef,
+    aligned_numel_for,
+    build_layout,
+    flatten,
+)
 from .naming import FLAT_PARAM
 from .orig_param_grads import OrigParamGrads, _assign_grad
 from .tensor_parallel import DTensorParam, local_tensor
@@ -61,8 +69,7 @@ class FlatParamHandle(OrigParamGrads):
     def __init__(
         self,
         module: nn.Module,
-        managed: set[nn.Parameter],
-        is_boundary: Callable[[nn.Module], bool],
+        references: Sequence[ParamRef],
         group: dist.ProcessGroup,
         sharded: bool,
         reshard_after_forward: bool,
@@ -96,7 +103,7 @@ class FlatParamHandle(OrigParamGrads):
         self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
 
-        params = list(managed)
+        params = list({id(ref.param): ref.param for ref in references}.values())
         dtype = _uniform(params, lambda p: p.dtype, "dtype")
         # Mixed precision: forward and backward run on a low-precision unsharded copy; the full-precision local
         # shard stays the master copy, so only the low-precision unit is ever unsharded.
@@ -116,9 +123,7 @@ class FlatParamHandle(OrigParamGrads):
         if not use_orig_params:
             _uniform(params, lambda p: p.requires_grad, "`requires_grad` when `use_orig_params=False`")
         layout = build_layout(
-            module,
-            managed,
-            is_boundary,
+            references,
             self.world_size,  # NO_SHARD too: torch pads the same way, which keeps the layouts interchangeable
             aligned_numel_for(self.compute_dtype) if use_orig_params else 0,
         )

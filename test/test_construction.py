@@ -102,6 +102,62 @@ def test_ignored_modules_under_auto_wrapping_are_skipped_as_torch_skips_them() -
     run_on_ranks(_ignored_under_auto_wrapping, 2)
 
 
+def _unit_plans_against_torch() -> None:
+    """The one walk of unit_plan.py finds, for every unit, the parameters torch's FSDP1 flattens, in its order (tied
+    head once, ignored block and nested units left out), and sync_module_states gives every rank rank 0's values."""
+    from fsdp_legacy.flat_param import iter_unit_modules
+    from fsdp_legacy.unit_plan import plan_unit
+
+    def units(lib: Any, extra: dict) -> list[tuple[str, tuple[str, ...]]]:
+        torch.manual_seed(
+            torch.distributed.get_rank()
+        )  # values differ per rank: our sync_module_states must fix them (torch refuses it on CPU)
+        net = models.Transformer()
+        policy = lib.wrap.ModuleWrapPolicy({models.TransformerBlock, nn.LayerNorm})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = lib.FullyShardedDataParallel(
+                net,
+                auto_wrap_policy=policy,
+                ignored_modules=[net.blocks[1]],
+                sync_module_states=lib is fsdp_legacy,
+                **extra,
+            )
+            state = {k: v.clone() for k, v in model.state_dict().items()} if lib is fsdp_legacy else {}
+        return [
+            (name, tuple(unit._flat_param._fqns) if unit._flat_param is not None else ())
+            for name, unit in model.named_modules()
+            if isinstance(unit, lib.FullyShardedDataParallel)
+        ], state
+
+    ours, state = units(fsdp_legacy, {})
+    theirs, _ = units(torch_fsdp, TORCH_EXTRA)
+    assert ours == theirs
+    gathered = [None] * torch.distributed.get_world_size()
+    synced = {k: v.sum().item() for k, v in state.items() if "blocks.1." not in k}  # (ignored: left as they are)
+    torch.distributed.all_gather_object(gathered, synced)
+    assert len(synced) > 20 and all(sums == gathered[0] for sums in gathered)
+
+    # The plan itself: references in nn.Module order, a tied parameter once per reference, grouped by dtype.
+    net = models.Transformer()
+    net.norm.half()
+    plan = plan_unit(net, lambda m: m is net.blocks[1], set(), {}, None, False)
+    expected = [
+        (name, param)
+        for module_name, module in iter_unit_modules(net, lambda m: m is net.blocks[1])
+        for name, param in ((f"{module_name}.{n}" if module_name else n, p) for n, p in module._parameters.items())
+        if param is not None
+    ]
+    assert [(ref.fqn, ref.param) for ref in plan.references] == expected
+    assert [ref.fqn for ref in plan.references].count("head.weight") == 1 and plan.references[-1].fqn == "head.weight"
+    assert [{ref.param.dtype for ref in group} for group in plan.dtype_groups] == [{torch.float32}, {torch.float16}]
+    assert list(plan.registration_order) == [name for name, _ in expected]
+
+
+def test_unit_plans_find_what_torch_flattens() -> None:
+    run_on_ranks(_unit_plans_against_torch, 2)
+
+
 class StandInGroup:
     """What torch's FSDP1 needs of a process group to build the wrapped structure: rank() and size()."""
 
