@@ -171,6 +171,25 @@ def full(lib: Any, model: nn.Module) -> dict:
             return model.state_dict()
 
 
+def init_facts(lib: Any, model: nn.Module, mesh: Any) -> list[tuple]:
+    """What initialisation from a mesh gives each unit: its shard and replicate groups' ranks, rank and world size,
+    its mesh, its flat parameter's size."""
+    facts = []
+    for unit in lib.FullyShardedDataParallel.fsdp_modules(model):
+        replicate = getattr(unit, "_inter_node_pg", None)
+        facts.append(
+            (
+                dist.get_process_group_ranks(unit.process_group),
+                dist.get_process_group_ranks(replicate) if replicate is not None else None,
+                unit.rank,
+                unit.world_size,
+                unit._device_mesh is mesh,
+                [p.numel() for p in unit.params],
+            )
+        )
+    return facts
+
+
 def use_dtensor_flags(lib: Any, model: nn.Module, optim: torch.optim.Optimizer) -> tuple[bool, bool]:
     """The configs' `_use_dtensor` after saving under SHARDED_STATE_DICT set for good (torch's test does so)."""
     fsdp = lib.FullyShardedDataParallel
@@ -195,7 +214,7 @@ def _round_trip(mesh_shape: tuple[int, ...], sizes: tuple[int, ...], use_orig_pa
     placements = tuple(torch.distributed.tensor.Replicate() for _ in mesh_shape[1:]) + (
         torch.distributed.tensor.Shard(0),
     )
-    models = {}
+    models, facts = {}, {}
     for lib in (fsdp_legacy, torch_fsdp):
         mesh = init_device_mesh("cpu", mesh_shape)
         model, optim = trained(
@@ -203,12 +222,14 @@ def _round_trip(mesh_shape: tuple[int, ...], sizes: tuple[int, ...], use_orig_pa
         )
         saved = save(lib, model, optim, "SHARDED_STATE_DICT", offload)
         assert_dtensors_on(*saved, mesh, placements, lib.__name__)
+        facts[lib] = init_facts(lib, model, mesh)
         assert use_dtensor_flags(lib, model, optim) == (True, True), lib.__name__
         saved = copy.deepcopy(saved)
         step(model, optim, sizes[0], 1)
         load(lib, model, optim, saved, not offload)
         models[lib] = model, optim, saved
     ours, theirs = models[fsdp_legacy], models[torch_fsdp]
+    assert facts[fsdp_legacy] == facts[torch_fsdp], f"initialisation from the mesh: {facts}"
     assert [p.numel() for p in ours[0].parameters()] == [p.numel() for p in theirs[0].parameters()], "parameters"
     assert_same_values(ours[2][0], theirs[2][0], "model state dict")
     assert_same_values(ours[2][1], theirs[2][1], "optimizer state dict")

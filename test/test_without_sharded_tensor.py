@@ -1,5 +1,6 @@
 """fsdp_legacy on a torch without ShardedTensor (deprecated in favour of DTensor), as torch will be once it removes it:
-test/without_sharded_tensor/check.py hides `torch.distributed._shard.sharded_tensor` in every rank of a 2-rank run.
+test/without_sharded_tensor/check.py hides `torch.distributed._shard.sharded_tensor` in every rank of a 2- and a 4-rank
+run (at 4 ranks, l2's two rows leave ranks 2 and 3 empty pieces).
 SHARDED model and optimizer state dicts without a device mesh then hold DTensors on a 1-D mesh over the process group,
 laid out as torch FSDP1's with a 1-D device mesh (the oracle), and round-trip through DCP, load into FSDP2 and convert
 offline; LOCAL_STATE_DICT (a ShardedTensor format) is refused with a clear error. Whenever torch has ShardedTensor,
@@ -24,10 +25,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path: Path, use_orig_params: bool) -> dict:
+def _run(tmp_path: Path, world_size: int, use_orig_params: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "FSDP_LEGACY"} | {"OMP_NUM_THREADS": "1"}
     out = tmp_path / "found.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={world_size}",
+        "--master-addr=127.0.0.1",
+    ]
     command += [f"--master-port={_free_port()}", str(HERE / "check.py"), "--out", str(out), "--dir", str(tmp_path)]
     command += ["--use-orig-params"] if use_orig_params else []
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
@@ -35,11 +42,12 @@ def _run(tmp_path: Path, use_orig_params: bool) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "uop"])
 def test_sharded_state_dicts_fall_back_to_dtensors_without_sharded_tensor(
-    tmp_path: Path, use_orig_params: bool
+    tmp_path: Path, world_size: int, use_orig_params: bool
 ) -> None:
-    found = _run(tmp_path, use_orig_params)
+    found = _run(tmp_path, world_size, use_orig_params)
     assert found["sharded_tensor_hidden"] and not found["fsdp_legacy_sees_sharded_tensor"]
     assert found["same_layout_as_torch_with_a_mesh"], found["layout"]
     assert found["layout"]["model"]["l1.weight"][:3] == ["DTensor", [5, 3], ["S(0)"]]
