@@ -260,6 +260,55 @@ def test_hsdp_2d_mesh_round_trip_matches_torch(sizes: tuple, use_orig_params: bo
     run_on_ranks(_round_trip, 4, (2, 2), sizes, use_orig_params, offload, timeout=300)
 
 
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "uop"])
+def test_hsdp_one_replica_of_four_shards_matches_torch(use_orig_params: bool) -> None:
+    """A (1, 4) mesh: the uneven model's short dims leave shard ranks with empty pieces."""
+    run_on_ranks(_round_trip, 4, (1, 4), UNEVEN, use_orig_params, False, timeout=300)
+
+
+def _dcp_across_meshes(path: str, use_orig_params: bool) -> None:
+    """Our HYBRID_SHARD checkpoint on the (2, 2) mesh, saved with DCP, loads into torch's FSDP1 on the same mesh and
+    into ours on a 1-D mesh of the 4 ranks (DCP reshards the DTensors), model and optimizer: all equal the source."""
+    import torch.distributed.checkpoint as dcp
+
+    source, source_optim = trained(
+        fsdp_legacy,
+        UNEVEN,
+        device_mesh=init_device_mesh("cpu", (2, 2)),
+        sharding_strategy="HYBRID_SHARD",
+        use_orig_params=use_orig_params,
+    )
+    saved = save(fsdp_legacy, source, source_optim, "SHARDED_STATE_DICT")
+    dcp.save({"model": saved[0], "optim": saved[1]}, checkpoint_id=path)
+    checkpoint_full = full(fsdp_legacy, source)
+    step(source, source_optim, UNEVEN[0], 6)
+    next_full = full(fsdp_legacy, source)
+    for lib, mesh_shape, strategy in ((torch_fsdp, (2, 2), "HYBRID_SHARD"), (fsdp_legacy, (4,), "FULL_SHARD")):
+        torch.manual_seed(1)
+        model = build(
+            lib,
+            Dense(UNEVEN),
+            device_mesh=init_device_mesh("cpu", mesh_shape),
+            sharding_strategy=strategy,
+            use_orig_params=use_orig_params,
+        )
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        step(model, optim, UNEVEN[0], 5)
+        state = save(lib, model, optim, "SHARDED_STATE_DICT")
+        holder = {"model": state[0], "optim": state[1]}
+        dcp.load(holder, checkpoint_id=path)
+        load(lib, model, optim, (holder["model"], holder["optim"]))
+        what = f"{lib.__name__} on {mesh_shape}"
+        assert_same_values(full(lib, model), checkpoint_full, what)
+        step(model, optim, UNEVEN[0], 6)  # the optimizer state came along: the next step is the source's
+        assert_same_values(full(lib, model), next_full, f"{what}, one step on")
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "uop"])
+def test_hsdp_dcp_checkpoint_loads_into_torch_and_other_meshes(tmp_path: Any, use_orig_params: bool) -> None:
+    run_on_ranks(_dcp_across_meshes, 4, str(tmp_path / "ckpt"), use_orig_params, timeout=300)
+
+
 def _local_state_dict_refused(mesh_shape: tuple[int, ...]) -> None:
     """LOCAL_STATE_DICT with a mesh: torch's RuntimeError from state_dict() and from optim_state_dict()."""
     strategy = "HYBRID_SHARD" if len(mesh_shape) == 2 else "FULL_SHARD"
