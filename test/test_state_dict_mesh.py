@@ -336,21 +336,20 @@ def test_local_state_dict_with_a_2d_mesh_is_refused_as_torch() -> None:
     run_on_ranks(_local_state_dict_refused, 4, (2, 2))
 
 
-def _same_as_process_groups(use_orig_params: bool) -> None:
-    """HYBRID_SHARD from a 2-D mesh and from the same (shard, replicate) groups hold the same values: the DTensors'
-    local pieces and offsets are the ShardedTensors' (torch's test_dtensor_sharded_tensor_state_dict_identical)."""
+def _same_as_process_groups(mesh_shape: tuple[int, ...], use_orig_params: bool) -> None:
+    """A model built from a mesh and the same model built from the mesh's process groups (HYBRID_SHARD: the (shard,
+    replicate) pair) hold the same values: the DTensors' local pieces and offsets are the ShardedTensors' (torch's
+    test_dtensor_sharded_tensor_state_dict_identical)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    mesh = init_device_mesh("cpu", (2, 2))
-    groups = (mesh.get_group(1), mesh.get_group(0))
+    mesh = init_device_mesh("cpu", mesh_shape)
+    hybrid = len(mesh_shape) == 2
+    groups = (mesh.get_group(1), mesh.get_group(0)) if hybrid else mesh.get_group()
+    kwargs = dict(sharding_strategy="HYBRID_SHARD" if hybrid else "FULL_SHARD", use_orig_params=use_orig_params)
     found = {}
     for lib in (fsdp_legacy, torch_fsdp):
-        with_mesh = save(
-            lib, *trained(lib, UNEVEN, device_mesh=mesh, sharding_strategy="HYBRID_SHARD"), "SHARDED_STATE_DICT"
-        )
-        with_groups = save(
-            lib, *trained(lib, UNEVEN, process_group=groups, sharding_strategy="HYBRID_SHARD"), "SHARDED_STATE_DICT"
-        )
+        with_mesh = save(lib, *trained(lib, UNEVEN, device_mesh=mesh, **kwargs), "SHARDED_STATE_DICT")
+        with_groups = save(lib, *trained(lib, UNEVEN, process_group=groups, **kwargs), "SHARDED_STATE_DICT")
         pairs = [(with_mesh[0][k], with_groups[0][k]) for k in with_mesh[0] if not k.endswith("buf")]
         pairs += [
             (states[name], with_groups[1]["state"][fqn][name])
@@ -379,7 +378,12 @@ def _same_as_process_groups(use_orig_params: bool) -> None:
 
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "uop"])
 def test_hsdp_dtensors_hold_the_sharded_tensors_pieces(use_orig_params: bool) -> None:
-    run_on_ranks(_same_as_process_groups, 4, use_orig_params, timeout=300)
+    run_on_ranks(_same_as_process_groups, 4, (2, 2), use_orig_params, timeout=300)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_1d_mesh_dtensors_hold_the_sharded_tensors_pieces(world_size: int) -> None:
+    run_on_ranks(_same_as_process_groups, world_size, (world_size,), False, timeout=300)
 
 
 def _root_not_fsdp() -> None:
