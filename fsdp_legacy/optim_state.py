@@ -30,7 +30,8 @@ from .api import (
 from .flat_param import ParamInfo
 from .handle import FlatParamHandle
 from .naming import clean_fqn
-from .state_dict import _chunk_dtensor, _chunk_sharded_tensor, _clean, _copy, get_state_dict_type
+from .state_dict import _chunk_sharded_tensor, _clean, _copy, get_state_dict_type
+from .state_dict_dtensor import chunk_dtensor, uses_dtensor
 from .state_dict_loading import _full_tensor, materialize
 from .tensor_parallel import DTensorParam
 from .unit import FSDPUnit
@@ -356,8 +357,8 @@ def _save_value(
     if full or (not handle.sharded and handle.use_orig_params):
         copy = _copy(value, config.offload_to_cpu)  # never a view of the gather buffer (torch's CPU bug)
         return record.wrap(copy) if record is not None else copy
-    if getattr(config, "_use_dtensor", False) or unit._device_mesh is not None:
-        return _chunk_dtensor(value, unit, config.offload_to_cpu, record)
+    if uses_dtensor(unit, config):
+        return chunk_dtensor(value, unit, config.offload_to_cpu, record)
     return _chunk_sharded_tensor(value, handle, config.offload_to_cpu)
 
 

@@ -21,15 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import (
-    Shard,
-    ShardedTensor,
-    ShardedTensorMetadata,
-    ShardMetadata,
-    TensorProperties,
-)
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Shard as DShard
 
 from . import _collectives as comm
 from .api import (
@@ -48,7 +39,8 @@ from .convert.record import RECORD_SUFFIX, FlatParamRecord
 from .flat_param import ParamInfo
 from .handle import FlatParamHandle
 from .naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
-from .tensor_parallel import DTensorParam, sharded_dtensor
+from .sharded_tensor_compat import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata, TensorProperties
+from .state_dict_dtensor import check_model_settings, check_optim_settings, chunk_dtensor, uses_dtensor
 from .unit import FSDPUnit, clean_fqn, fsdp_modules
 
 _CONFIG_TYPES = {
@@ -115,6 +107,7 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings | None:
             raise AssertionError(
                 f"All FSDP modules must have the same state dict settings.Got {_settings(unit)} and {settings}."
             )
+        check_optim_settings(unit, settings)  # as torch: LOCAL with a device mesh raises here
     return settings
 
 
@@ -164,11 +157,7 @@ def _effective(unit: FSDPUnit) -> tuple[StateDictType, StateDictConfig]:
     if unit.sharding_strategy == ShardingStrategy.NO_SHARD:
         warnings.warn(_NO_SHARD_WARNING, stacklevel=3)
         return StateDictType.FULL_STATE_DICT, FullStateDictConfig()
-    if unit._state_dict_type == StateDictType.LOCAL_STATE_DICT and unit._device_mesh is not None:
-        raise RuntimeError(
-            "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with LOCAL_STATE_DICT. "
-            "Please set state_dict_type to SHARDED_STATE_DICT to get DTensor state_dict."
-        )
+    check_model_settings(unit)
     return unit._state_dict_type, unit._state_dict_config
 
 
@@ -292,8 +281,8 @@ def _unsharded_values(
             param = full[info.offset : info.offset + info.numel].view(info.shape)
             if kind == StateDictType.FULL_STATE_DICT:  # what nn.Module saves: the parameter's detach()
                 values[key] = _copy(handle.typed(param, info).detach(), config.offload_to_cpu)
-            elif getattr(config, "_use_dtensor", False) or unit._device_mesh is not None:
-                values[key] = _chunk_dtensor(param, unit, config.offload_to_cpu, handle.dtensors.get(info))
+            elif uses_dtensor(unit, config):
+                values[key] = chunk_dtensor(param, unit, config.offload_to_cpu, handle.dtensors.get(info))
             else:
                 values[key] = _chunk_sharded_tensor(param, handle, config.offload_to_cpu)
     return values
@@ -382,23 +371,6 @@ def _chunk_sharded_tensor(param: torch.Tensor, handle: FlatParamHandle, offload_
         offset += chunk.shape[0]
     local = _copy(chunks[handle.rank], offload_to_cpu) if handle.rank < len(chunks) else None
     return _sharded_tensor(handle, param.shape, param.dtype, local, geometry)
-
-
-def _chunk_dtensor(
-    param: torch.Tensor, unit: FSDPUnit, offload_to_cpu: bool, record: DTensorParam | None = None
-) -> torch.Tensor:
-    """Dim-0 chunks over FSDP's mesh; over the 2-D mesh when FSDP's is sliced from one, as torch's FSDP1 does with
-    tensor parallelism (`param`: a DTensor parameter's local piece, of which `record` tells the rest)."""
-    two_d = sharded_dtensor(param, unit._device_mesh, record)
-    if two_d is not None:
-        return two_d.cpu() if offload_to_cpu and two_d.device.type != "cpu" else two_d
-    chunks = param.chunk(unit.world_size)
-    rank = unit.rank
-    local = chunks[rank].clone() if rank < len(chunks) else param.new_empty((0, *param.shape[1:]))
-    dtensor = DTensor.from_local(
-        local, unit._device_mesh, [DShard(0)], run_check=False, shape=param.shape, stride=param.stride()
-    )
-    return dtensor.cpu() if offload_to_cpu and dtensor.device.type != "cpu" else dtensor
 
 
 def _local_geometry(handle: FlatParamHandle) -> tuple[int, int, int]:

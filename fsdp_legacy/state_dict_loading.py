@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from .api import StateDictType
@@ -18,6 +17,7 @@ from .convert.errors import CheckpointError
 from .convert.record import RECORD_SUFFIX, FlatParamRecord
 from .flat_param import ParamInfo
 from .handle import FlatParamHandle
+from .sharded_tensor_compat import ShardedTensor
 from .state_dict import _clean, _effective, _local_geometry, _managed_keys
 from .unit import FLAT_PARAM, FSDP_PREFIX, FSDPUnit
 
