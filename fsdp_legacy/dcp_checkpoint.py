@@ -108,10 +108,11 @@ def _check(state: dict[str, Any], directory: str, rank: int, world_size: int) ->
         saved = side.records.get(path)
         if saved is not None and _layout(saved) != _layout(mine):
             raise CheckpointError(
-                f"{directory}: the LOCAL state dict {path or '(the whole state)'} was saved with another flat-parameter "
-                "layout than this model's (another model, wrapping, use_orig_params setting or world size). A "
-                "LOCAL_STATE_DICT loads only into the model it was saved from; convert it offline: python "
-                f"tools/convert_checkpoint.py {directory} NEW --to local --layout-from A_LOCAL_CHECKPOINT_OF_THIS_MODEL."
+                f"{directory}: the LOCAL state dict {path or '(the whole state)'} was saved with another "
+                "flat-parameter layout than this model's (another model, wrapping, use_orig_params setting or world "
+                "size). A LOCAL_STATE_DICT loads only into the model it was saved from; convert it offline: python "
+                f"tools/convert_checkpoint.py {directory} NEW --to local --layout-from "
+                "A_LOCAL_CHECKPOINT_OF_THIS_MODEL."
             )
 
 

@@ -10,7 +10,6 @@ save (which must be refused).
 import contextlib
 import os
 import shutil
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,7 +158,9 @@ def test_checkpoints_of_earlier_versions_still_load_and_convert(tmp_path, config
     use_orig_params only the conversion: its per-rank views do not dcp.load, as with torch's LOCAL.)"""
     old = str(tmp_path / "old")
     expected = run_on_ranks(_save, 2, config, old, "old")[0]
-    assert any(key.endswith("_flat_param_meta") for key in dcp.FileSystemReader(old).read_metadata().state_dict_metadata)
+    assert any(
+        key.endswith("_flat_param_meta") for key in dcp.FileSystemReader(old).read_metadata().state_dict_metadata
+    )
     loads = not config.use_orig_params
     if loads:
         assert_same(run_on_ranks(_load_dcp, 2, config, old, False)[0], expected, "dcp.load of an old checkpoint")

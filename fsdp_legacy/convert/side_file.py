@@ -89,7 +89,9 @@ def read_side_file(directory: str) -> SideFile | None:
             f"{path} is damaged ({error}): restore the checkpoint directory from a copy, or save it again."
         ) from None
     records = {
-        str(section): tuple(FlatParamRecord.from_json(text, f"{path} ({section or 'the state dict'})") for text in found)
+        str(section): tuple(
+            FlatParamRecord.from_json(text, f"{path} ({section or 'the state dict'})") for text in found
+        )
         for section, found in sections
     }
     return SideFile(save_id, records, files)
@@ -107,7 +109,7 @@ def check_files(directory: str, side: SideFile, names: Iterable[str] | None = No
             ) from None
         if crc != side.files[name]:
             raise CheckpointError(
-                f"{path} is corrupted or from another save: its CRC-32 {crc:08x} differs from the {side.files[name]:08x} "
-                f"recorded when it was saved ({SIDE_FILE}). Restore the whole directory from a copy of one save, or "
-                "save it again."
+                f"{path} is corrupted or from another save: its CRC-32 {crc:08x} differs from the "
+                f"{side.files[name]:08x} recorded when it was saved ({SIDE_FILE}). Restore the whole directory from a "
+                "copy of one save, or save it again."
             )
