@@ -277,3 +277,28 @@ def test_dcp_saves_carry_identity_and_checksums(tmp_path) -> None:
     assert messages[0] == messages[1] and f"{data[0]} is corrupted" in messages[0] and "CRC-32" in messages[0]
     with pytest.raises(CheckpointError, match=rf"{data[0]}.*(corrupted|CRC-32)"):
         convert_checkpoint(str(flipped), str(tmp_path / "flipped.pt"), to="full")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# In-memory loads check the records in _metadata, as those of the keys
+
+
+def _metadata_records_are_checked(config: Config) -> None:
+    _, model = build_ours(config)
+    sd = model_sd(model, fsdp_legacy, LOCAL)
+    load_model(model, fsdp_legacy, LOCAL, sd)  # its own records are accepted (strict)
+    nested = next(key for key, entry in sd._metadata.items() if key and METADATA_KEY in entry)  # the block unit's
+    assert METADATA_KEY in sd._metadata[""], "the root unit's records, in its own entry"
+    for entry, message in (
+        (sd._metadata[nested][METADATA_KEY], r"_flat_param: the checkpoint's flat parameter holds \[fc1\.weight"),
+        (["{not json"], r"_flat_param \(its layout record in _metadata\): the flat-parameter layout record is not"),
+    ):
+        changed = type(sd)(sd)
+        changed._metadata = type(sd._metadata)((k, dict(v)) for k, v in sd._metadata.items())
+        changed._metadata[""][METADATA_KEY] = entry
+        with pytest.raises(RuntimeError, match=message):
+            load_model(model, fsdp_legacy, LOCAL, changed)
+
+
+def test_in_memory_loads_check_the_records_in_metadata() -> None:
+    run_on_ranks(_metadata_records_are_checked, 2, Config("net", use_orig_params=True))
