@@ -107,15 +107,16 @@ def test_local_state_dict_equals_torchs_at_4_ranks() -> None:
 
 def _save(config: Config, path: str, how: str, steps: int = 2) -> dict:
     """Train, save the LOCAL model state dict `how` ("dcp": plain dcp.save; "ours": dcp_checkpoint.save; "old":
-    plain dcp.save with the records as tensor keys, as earlier versions saved; "rank": a torch.save file per rank);
+    plain dcp.save with the records as tensor keys, as earlier versions saved; "rank": a torch.save file per rank;
+    "old-rank": per-rank files with the tensor keys);
     return the FULL model state dict."""
     _, model = build_ours(config)
     train(model, adam(model), config, range(steps))
-    with layout_keys() if how == "old" else contextlib.nullcontext():
+    with layout_keys() if how.startswith("old") else contextlib.nullcontext():
         state = {"model": model_sd(model, fsdp_legacy, LOCAL)}
     if how == "ours":
         dcp_checkpoint.save(state, path)
-    elif how == "rank":
+    elif how in ("rank", "old-rank"):
         torch.save(state["model"], os.path.join(path, f"rank{dist.get_rank()}.pt"))
     else:
         dcp.save(state, checkpoint_id=path)
@@ -177,6 +178,24 @@ def test_checkpoints_of_earlier_versions_still_load_and_convert(tmp_path, config
         assert_same(loaded, expected, "old -> full -> local -> our load")
 
 
+def _load_rank_file(config: Config, directory: str) -> dict:
+    """A fresh model loads this rank's torch.save file (in memory, strict); its FULL state dict."""
+    _, model = build_ours(config, seed=1)
+    saved = torch.load(os.path.join(directory, f"rank{dist.get_rank()}.pt"), weights_only=False)
+    load_model(model, fsdp_legacy, LOCAL, saved)
+    return model_sd(model, fsdp_legacy, FULL)
+
+
+def test_per_rank_files_of_earlier_versions_still_load_and_convert(tmp_path) -> None:
+    config = CONFIGS[0]
+    expected = run_on_ranks(_save, 2, config, str(tmp_path), "old-rank")[0]
+    assert any(key.endswith("_flat_param_meta") for key in load_rank_file(str(tmp_path / "rank0.pt")))
+    for loaded in run_on_ranks(_load_rank_file, 2, config, str(tmp_path)):
+        assert_same(loaded, expected, "an old per-rank file loaded in memory")
+    convert_checkpoint(str(tmp_path), str(tmp_path / "full.pt"), to="full")
+    assert_same(torch.load(tmp_path / "full.pt", weights_only=True)["model"], expected, "old per-rank files -> full")
+
+
 def test_per_rank_files_carry_the_records_in_metadata(tmp_path) -> None:
     """torch.save keeps _metadata and unpickling restores it: the files' keys are torch's, and they convert by
     themselves."""
@@ -193,29 +212,35 @@ def test_per_rank_files_carry_the_records_in_metadata(tmp_path) -> None:
 # Save identity: files of two saves are refused, naming them
 
 
-def _two_saves(config: Config, directory: str, extra_calls: int) -> None:
+def _two_saves(config: Config, directory: str, extra_calls: int) -> dict:
     """Two saves of per-rank files with a training step between (first/, second/); rank 0 calls state_dict()
-    `extra_calls` more times than the others before each save (which must not change anything)."""
+    `extra_calls` more times than the others before each save (which must not change anything). The FULL state dicts
+    of both."""
     _, model = build_ours(config)
     optim = adam(model)
+    expected = {}
     for name, steps in (("first", range(1)), ("second", range(1, 2))):
         train(model, optim, config, steps)
         for _ in range(extra_calls if dist.get_rank() == 0 else 0):
             model_sd(model, fsdp_legacy, LOCAL)
         os.makedirs(os.path.join(directory, name), exist_ok=True)
         torch.save(model_sd(model, fsdp_legacy, LOCAL), os.path.join(directory, name, f"rank{dist.get_rank()}.pt"))
+        expected[name] = model_sd(model, fsdp_legacy, FULL)
+    return expected
 
 
-def test_per_rank_files_of_two_saves_are_refused(tmp_path) -> None:
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_per_rank_files_of_two_saves_are_refused(tmp_path, world_size: int) -> None:
     config = CONFIGS[1]
-    run_on_ranks(_two_saves, 2, config, str(tmp_path), 3)
-    for name in ("first", "second"):  # each save by itself converts, whatever rank 0 called in between
+    expected = run_on_ranks(_two_saves, world_size, config, str(tmp_path), 3)[0]
+    for name in ("first", "second"):  # each save by itself converts bit for bit, whatever rank 0 called in between
         convert_checkpoint(str(tmp_path / name), str(tmp_path / f"{name}.pt"), to="full")
+        assert_same(torch.load(tmp_path / f"{name}.pt", weights_only=True)["model"], expected[name], name)
     mixed = tmp_path / "mixed"
     mixed.mkdir()
-    shutil.copy(tmp_path / "first" / "rank0.pt", mixed / "rank0.pt")
-    shutil.copy(tmp_path / "second" / "rank1.pt", mixed / "rank1.pt")
-    message = r"mixes the files of different saves \(.*rank0\.pt: save .*rank1\.pt: save .*\)"
+    for rank in range(world_size):
+        shutil.copy(tmp_path / ("second" if rank == 1 else "first") / f"rank{rank}.pt", mixed / f"rank{rank}.pt")
+    message = r"mixes the files of different saves \(.*rank0\.pt.*: save .*; .*rank1\.pt: save .*\)"
     with pytest.raises(CheckpointError, match=message):
         convert_checkpoint(str(mixed), str(tmp_path / "mixed.pt"), to="full")
     with pytest.raises(CheckpointError, match=message):
@@ -263,6 +288,8 @@ def test_dcp_saves_carry_identity_and_checksums(tmp_path) -> None:
         assert "mixes the files of different saves" in message and data[1] in message, message
     with pytest.raises(CheckpointError, match=rf"mixes the files of different saves.*{data[1]}"):
         convert_checkpoint(str(mixed), str(tmp_path / "mixed.pt"), to="full")
+    with pytest.raises(CheckpointError, match=rf"mixes the files of different saves.*{data[1]}"):
+        describe(str(mixed), quiet=True)
 
     # a flipped byte in the middle of a data file: refused on every rank by the CRC-32, naming the file
     flipped = tmp_path / "flipped"
