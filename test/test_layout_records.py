@@ -280,6 +280,11 @@ def test_dcp_saves_carry_identity_and_checksums(tmp_path) -> None:
     for loaded in run_on_ranks(_load_dcp, 2, config, str(first), True):
         assert_same(loaded, expected, "our load of our save")
 
+    # into a model wrapped otherwise: refused on every rank before DCP touches it, saying what to do
+    other = Config(config.model, policy="none", use_orig_params=config.use_orig_params)
+    for message in run_on_ranks(_refused_load, 2, other, str(first)):
+        assert "was saved with another flat-parameter layout" in message and "--layout-from" in message, message
+
     # one rank's file from the other save: refused on every rank, naming it; the converter refuses it too
     mixed = tmp_path / "mixed"
     shutil.copytree(first, mixed)
