@@ -13,6 +13,7 @@ Every unit registers nn.Module state-dict hooks, so `model.state_dict()` / `mode
 
 import contextlib
 import dataclasses
+import os
 import warnings
 from collections.abc import Iterator
 from enum import Enum
@@ -35,10 +36,12 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from .convert.record import RECORD_SUFFIX, FlatParamRecord
+from .convert.record import LAYOUT_KEYS_ENV, METADATA_KEY, RECORD_SUFFIX, FlatParamRecord
 from .flat_param import ParamInfo
 from .handle import FlatParamHandle
 from .naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
+from .save_identity import note_load
+from .save_identity import save_id as next_save_id
 from .sharded_tensor_compat import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata, TensorProperties
 from .state_dict_dtensor import check_model_settings, check_optim_settings, chunk_dtensor, uses_dtensor
 from .unit import FSDPUnit, clean_fqn, fsdp_modules
@@ -63,6 +66,11 @@ def init_unit(unit: FSDPUnit) -> None:
     unit._state_dict_config = FullStateDictConfig()
     unit._optim_state_dict_config = FullOptimStateDictConfig()
     unit._register_state_dict_hook(_post_state_dict_hook)
+    unit._register_load_state_dict_pre_hook(_count_load)  # the save identity of later LOCAL saves changes
+
+
+def _count_load(*_: Any) -> None:
+    note_load()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -176,19 +184,7 @@ def _post_state_dict_hook(unit: FSDPUnit, destination: dict, prefix: str, local_
     if unit._handles and kind == StateDictType.LOCAL_STATE_DICT:
         for handle in unit._handles:
             entries[handle.flat_name] = _local_flat_tensor(handle, config.offload_to_cpu)
-        # fsdp_legacy's addition, right after each flat parameter: the layout record that makes the checkpoint
-        # readable without the model's code (docs/compatibility.md).
-        records = {
-            handle.flat_name: FlatParamRecord.from_layout(
-                handle.layout, _clean(prefix), handle.local_shard.dtype, handle.flat_name
-            ).to_tensor()
-            for handle in unit._handles
-        }
-        entries = {
-            key: value
-            for name, entry in entries.items()
-            for key, value in [(name, entry)] + ([(name + RECORD_SUFFIX, records[name])] if name in records else [])
-        }
+        _add_layout_records(unit, prefix, local_metadata, entries)
     elif unit._handles:
         values: dict[str, Any] = {}
         for handle in unit._handles:
@@ -205,6 +201,31 @@ def _post_state_dict_hook(unit: FSDPUnit, destination: dict, prefix: str, local_
             if config.offload_to_cpu:
                 entries[key] = entries[key].cpu()
     destination.update((prefix + key, value) for key, value in entries.items())
+
+
+def _add_layout_records(unit: FSDPUnit, prefix: str, local_metadata: Any, entries: dict[str, Any]) -> None:
+    """fsdp_legacy's addition to a LOCAL state dict: the layout records that make it readable without the model's
+    code, with the save's identity, in the unit's `_metadata` entry (the keys stay torch's: convert/record.py). With
+    FSDP_LEGACY_LAYOUT_KEYS=1 also as the `<flat key>_meta` tensors of earlier versions, right after each flat
+    parameter (for savers that keep only tensors, such as a plain dcp.save)."""
+    save_id = next_save_id(unit.process_group)
+    records = {
+        handle.flat_name: dataclasses.replace(
+            FlatParamRecord.from_layout(handle.layout, _clean(prefix), handle.local_shard.dtype, handle.flat_name),
+            save_id=save_id,
+        )
+        for handle in unit._handles
+    }
+    if isinstance(local_metadata, dict):
+        local_metadata[METADATA_KEY] = [record.to_json() for record in records.values()]
+    if os.environ.get(LAYOUT_KEYS_ENV, "0") not in ("", "0"):
+        rewritten = {}
+        for name, entry in entries.items():
+            rewritten[name] = entry
+            if name in records:
+                rewritten[name + RECORD_SUFFIX] = records[name].to_tensor()
+        entries.clear()
+        entries.update(rewritten)
 
 
 def _relative(key: str, prefix: str) -> str:

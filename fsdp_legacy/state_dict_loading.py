@@ -4,6 +4,7 @@ the full tensor, no communication; SHARDED: the dim-0 chunks reassembled first; 
 nn.Module the tensors it has registered, so nn.Module's own missing/unexpected/size bookkeeping stays right.
 """
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from .api import StateDictType
 from .convert.errors import CheckpointError
-from .convert.record import RECORD_SUFFIX, FlatParamRecord
+from .convert.record import METADATA_KEY, RECORD_SUFFIX, FlatParamRecord
 from .flat_param import ParamInfo
 from .handle import FlatParamHandle
 from .sharded_tensor_compat import ShardedTensor
@@ -73,8 +74,24 @@ def _pre_load_state_dict_hook(
             "load_state_dict(assign=True) is not supported by FSDP: its parameters are flat shards that cannot be "
             "replaced by the checkpoint's tensors. Call load_state_dict(state_dict) without assign."
         )
+    if kind == StateDictType.LOCAL_STATE_DICT:  # our records ride in _metadata: checked as those of the keys are
+        for handle, text in _saved_records(unit, local_metadata).items():
+            state_dict.setdefault(wrapped + handle.flat_name + RECORD_SUFFIX, text)
     for handle in unit._handles:
         _load_handle(unit, handle, kind, state_dict, wrapped, missing_keys, error_msgs)
+
+
+def _saved_records(unit: FSDPUnit, local_metadata: Any) -> dict[FlatParamHandle, str]:
+    """The layout records (JSON) our LOCAL saves put in the unit's _metadata entry (convert/record.py), by handle."""
+    texts = local_metadata.get(METADATA_KEY) if isinstance(local_metadata, dict) else None
+    by_name: dict[str, str] = {}
+    for text in texts if isinstance(texts, list) else []:
+        try:
+            name = json.loads(text).get("name", FLAT_PARAM)
+        except (TypeError, ValueError, AttributeError):
+            name = FLAT_PARAM  # unreadable: the record check reports it
+        by_name.setdefault(str(name), text)
+    return {handle: by_name[handle.flat_name] for handle in unit._handles if handle.flat_name in by_name}
 
 
 def _load_handle(
@@ -277,9 +294,13 @@ def _check_record(handle: FlatParamHandle, key: str, value: Any, error_msgs: lis
     """The record's parameters, shapes and offsets must be this unit's. Its world size may differ where the flat
     parameter is the same (use_orig_params=False): DCP then reshards it correctly; the shard geometry check catches
     per-rank files from another world size."""
-    where = f"{key}{RECORD_SUFFIX}"
+    where = f"{key}{RECORD_SUFFIX}" if not isinstance(value, str) else f"{key} (its layout record in _metadata)"
     try:
-        saved = FlatParamRecord.from_tensor(value, where)
+        saved = (
+            FlatParamRecord.from_json(value, where)
+            if isinstance(value, str)
+            else FlatParamRecord.from_tensor(value, where)
+        )
     except CheckpointError as error:
         error_msgs.append(str(error))
         return False

@@ -7,10 +7,12 @@ layout record run on ranks. (In-memory load errors without a record are covered 
 """
 
 import ast
+import contextlib
 import glob
 import os
 import pickle
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -465,9 +467,19 @@ def test_damaged_layout_record_on_disk(tmp_path) -> None:
 # The record in in-memory LOCAL loads (on ranks)
 
 
+@contextlib.contextmanager
+def layout_keys() -> Iterator[None]:
+    """The opt-in that adds the records as `<flat key>_meta` tensors (the format of earlier versions)."""
+    os.environ["FSDP_LEGACY_LAYOUT_KEYS"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["FSDP_LEGACY_LAYOUT_KEYS"]
+
+
 def _local(config: Config) -> dict:
     _, model = build_ours(config)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), layout_keys():
         warnings.simplefilter("ignore")
         with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
             return {k: v for k, v in model.state_dict().items() if k.endswith("_meta")}
@@ -476,7 +488,7 @@ def _local(config: Config) -> dict:
 def _load_with_records(config: Config, records: dict, message: str) -> None:
     _, model = build_ours(config)
     before = full_params(model)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), layout_keys():
         warnings.simplefilter("ignore")
         with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
             sd = model.state_dict()

@@ -21,6 +21,7 @@ import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 import fsdp_legacy
+from fsdp_legacy import dcp_checkpoint
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint, open_checkpoint
 from fsdp_legacy.convert.checkpoint import Checkpoint, Path
 from fsdp_legacy.convert.dcp_files import write_dcp
@@ -44,7 +45,11 @@ def _save_local(config: Config, path: str, impl: str = "ours") -> dict:
     model = build_ours(config)[1] if impl == "ours" else build_torch_fsdp(config)
     optim = adam(model)
     train(model, optim, config, range(2))
-    dcp.save({"model": model_sd(model, lib, LOCAL), "optim": osd(model, optim, lib, LOCAL)}, checkpoint_id=path)
+    state = {"model": model_sd(model, lib, LOCAL), "optim": osd(model, optim, lib, LOCAL)}
+    if impl == "ours":  # through our path: the layout records go into the directory's side file
+        dcp_checkpoint.save(state, path)
+    else:
+        dcp.save(state, checkpoint_id=path)
     # torch's default offload_to_cpu=True returns wrong values on CPU (FACTS CPU bug #2)
     return {
         "model": model_sd(model, lib, FULL),
@@ -197,7 +202,9 @@ def test_round_trip_local_dcp_full_local(tmp_path, config: Config) -> None:
 
     original, again = as_tree(local), as_tree(str(tmp_path / "local2"))
     flat_keys = [k for k in original["model"] if k.endswith(("_flat_param", "_flat_param_meta"))]
-    assert len(flat_keys) == 2 * 4  # root + 3 blocks, a record beside each flat parameter
+    assert len(flat_keys) == 4  # root + 3 blocks; their records are outside the keys (the side file)
+    with open_checkpoint(local) as first, open_checkpoint(str(tmp_path / "local2")) as second:
+        assert len(first.side_records) == 4 and first.side_records == second.side_records
     assert_same(again["optim"], original["optim"], "optimizer after the round trip")
     for key, value in again["model"].items():
         assert_same(value, original["model"][key], f"model.{key} after the round trip")
@@ -233,7 +240,7 @@ def test_torch_fsdp1_local_checkpoint_needs_a_layout(tmp_path) -> None:
     with pytest.raises(
         CheckpointError,
         match=r"model\.blocks\.0\._flat_param in .*torch_local is a flat parameter "
-        r"without a layout record \(model\.blocks\.0\._flat_param_meta\).*"
+        r"without a layout record.*plain dcp\.save.*"
         r"--layout-from",
     ):
         convert_checkpoint(theirs, str(tmp_path / "full.pt"), to="full")

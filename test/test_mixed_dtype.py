@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsdp_legacy
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType
+from fsdp_legacy.convert.record import records_in_metadata
 from fsdp_legacy.wrap import ModuleWrapPolicy
 from fsdp_utils import assert_close, clean, full_params
 from harness import run_on_ranks
@@ -211,7 +212,9 @@ def _subclass_and_state_dicts(use_orig_params: bool) -> None:
         if kind == StateDictType.LOCAL_STATE_DICT:
             names = [h.flat_name for h in ours.blocks[0]._handles]
             assert names[:2] == ["_flat_param", "_flat_param_1"], names
-            assert all(f"blocks.0.{n}" in saved and f"blocks.0.{n}_meta" in saved for n in names), list(saved)
+            assert all(f"blocks.0.{n}" in saved and f"blocks.0.{n}_meta" not in saved for n in names), list(saved)
+            records = records_in_metadata(saved._metadata, "saved")  # outside the keys, one per flat parameter
+            assert {r.flat_key for r in records} >= {f"blocks.0.{n}" for n in names}
         directory = tempfile.mkdtemp() if dist.get_rank() == 0 else None
         shared = [directory]
         dist.broadcast_object_list(shared)

@@ -27,7 +27,7 @@ import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType
 from fsdp_legacy import state_dict as our_state_dict
-from fsdp_legacy.convert import FlatParamRecord
+from fsdp_legacy.convert.record import records_in_metadata
 from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, full_params, loss_of, train
 from harness import run_on_ranks
 
@@ -70,16 +70,14 @@ def describe(value: Any) -> tuple:
     return ("Tensor", tuple(value.shape), value.dtype, value)
 
 
-def without_records(sd: dict) -> dict:
-    """Our LOCAL_STATE_DICT less the layout records torch's lacks (docs/compatibility.md): each record sits right
-    after its flat parameter and describes it."""
-    keys = list(sd)
-    for index, key in enumerate(keys):
-        if key.endswith("_flat_param_meta"):
-            assert keys[index - 1] == key.removesuffix("_meta"), f"{key} follows its flat parameter"
-            record = FlatParamRecord.from_tensor(sd[key], key)
-            assert record.flat_key == key.removesuffix("_meta") and record.numel == sd[keys[index - 1]].size(0)
-    return {key: value for key, value in sd.items() if not key.endswith("_flat_param_meta")}
+def checked_records(sd: dict) -> dict:
+    """`sd` itself, after checking that each LOCAL flat parameter's layout record is in its _metadata (not among the
+    keys, which are torch's: docs/compatibility.md) and describes it."""
+    flats = [key for key in sd if key.endswith("_flat_param")]
+    records = {r.flat_key: r for r in records_in_metadata(getattr(sd, "_metadata", None), "sd")}
+    assert sorted(records) == sorted(flats), (sorted(records), flats)
+    assert all(records[key].numel == sd[key].size(0) for key in flats)
+    return sd
 
 
 def assert_same(ours: dict, theirs: dict, what: str) -> None:
@@ -212,7 +210,7 @@ def _matches_torch(config: Config) -> None:
     train(theirs, config)
     train(DDP(reference), config)
     for kind in TYPES:
-        assert_same(without_records(state_dict(ours, fsdp_legacy, kind)), state_dict(theirs, torch_fsdp, kind), kind)
+        assert_same(checked_records(state_dict(ours, fsdp_legacy, kind)), state_dict(theirs, torch_fsdp, kind), kind)
     full = state_dict(ours, fsdp_legacy, "FULL_STATE_DICT")
     expected = reference.state_dict()
     assert list(full) == list(expected), "FULL keys in the unwrapped model's order"
@@ -251,7 +249,7 @@ def _ignored_params_match_torch(use_orig_params: bool) -> None:
             net, use_orig_params=use_orig_params, ignored_states=[net.l1.weight], device_id=torch.device("cpu")
         )
     for kind in TYPES:
-        assert_same(without_records(state_dict(ours, fsdp_legacy, kind)), state_dict(theirs, torch_fsdp, kind), kind)
+        assert_same(checked_records(state_dict(ours, fsdp_legacy, kind)), state_dict(theirs, torch_fsdp, kind), kind)
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -472,19 +470,10 @@ def _ours_to_torch(config: Config, kind: str) -> None:
     sd = state_dict(ours, fsdp_legacy, kind)
     if kind == "LOCAL_STATE_DICT" and config.use_orig_params:
         # torch's own LOCAL dict with use_orig_params fails its strict load the same way: it reports its _flat_param
-        # keys unexpected, and loads the named 1-D views beside them; our layout records are unexpected to it too.
+        # keys unexpected, and loads the named 1-D views beside them (our layout records are outside the keys).
         result = load(theirs, torch_fsdp, kind, sd, strict=False)
-        assert result.missing_keys == [] and all(
-            k.endswith(("_flat_param", "_flat_param_meta")) for k in result.unexpected_keys
-        )
-    elif kind == "LOCAL_STATE_DICT":
-        # torch's strict load reports exactly our layout records unexpected (documented); without them it loads.
-        records = [key for key in sd if key.endswith("_flat_param_meta")]
-        assert records
-        result = load(theirs, torch_fsdp, kind, sd, strict=False)
-        assert result.missing_keys == [] and sorted(result.unexpected_keys) == sorted(records)
-        load(theirs, torch_fsdp, kind, without_records(sd))
-    else:
+        assert result.missing_keys == [] and all(k.endswith("_flat_param") for k in result.unexpected_keys)
+    else:  # LOCAL without use_orig_params too: exactly torch's keys, the layout records ride in _metadata
         load(theirs, torch_fsdp, kind, sd)
     assert_full_equal(torch_full(theirs), state_dict(ours, fsdp_legacy, "FULL_STATE_DICT"), f"ours {kind} into torch")
 

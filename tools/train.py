@@ -229,7 +229,7 @@ def migrate_to_fsdp2(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fsdp_legacy import FullyShardedDataParallel as FSDP
-    from fsdp_legacy import StateDictType
+    from fsdp_legacy import StateDictType, dcp_checkpoint
     from fsdp_legacy.convert import convert_checkpoint
 
     rank = dist.get_rank()
@@ -238,12 +238,12 @@ def migrate_to_fsdp2(
     if rank == 0:
         shutil.rmtree(local_dir, ignore_errors=True)
     dist.barrier()
-    # 1. What an FSDP1 job saves: each rank's flat shards (with their layout records) and its optimizer state.
+    # 1. What an FSDP1 job saves: each rank's flat shards and its optimizer state (the layout records in a side file).
     with warnings.catch_warnings():  # torch FSDP1's FutureWarning about state_dict_type, kept for parity
         warnings.simplefilter("ignore", FutureWarning)
         with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
             state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
-    dcp.save(state, checkpoint_id=local_dir)
+    dcp_checkpoint.save(state, local_dir)  # dcp.save + the side file with the layout records the converter reads
     del state
     # 2. Offline, on one process, without the model's code: flat shards -> FSDP2's per-parameter layout.
     if rank == 0:

@@ -27,8 +27,8 @@ from ..convert.dcp_files import DcpCheckpoint
 from ..convert.flat import Unflattened, is_local, records_in
 from ..convert.framework_layouts import accelerate_entries, is_trainer_file, sections_of
 from ..convert.loading import LocalShards, load_rank_file, safe_load
-from ..convert.rank_files import rank_files_in
-from ..convert.record import is_flat_key
+from ..convert.rank_files import check_one_save, rank_files_in
+from ..convert.record import FlatParamRecord, is_flat_key, records_in_metadata
 from ..convert.safetensors_files import SafetensorsDirectory
 from ..convert.torch_file import load_tree
 from ..convert.verl_files import clean_fqn, verl_files
@@ -148,12 +148,14 @@ def _rank_files(files: Sequence[str], location: str, quiet: bool) -> Opened:
     ranks: dict[int, tuple[str, dict[Path, Any]]] = {}
     world_sizes: set[int] = set()
     changed: list[bool] = []
+    records: dict[str, list[FlatParamRecord]] = {}
     for file in progress(files, len(files), "reading rank files", quiet):
         tree = load_rank_file(file)
         if not isinstance(tree, Mapping):
             raise CheckpointError(f"{file} holds a {type(tree).__name__}, not a state dict.")
         if "model" not in tree:
             tree = {"model": tree}
+        records[file] = records_in_metadata(getattr(tree["model"], "_metadata", None), file)
         leaves = flatten(_str_keys(tree, changed), file)
         saved = {(v.rank, v.world_size) for v in leaves.values() if isinstance(v, LocalShards)}
         if len(saved) != 1:
@@ -169,6 +171,7 @@ def _rank_files(files: Sequence[str], location: str, quiet: bool) -> Opened:
             )
         ranks[rank] = (file, leaves)
         world_sizes.add(world_size)
+    check_one_save(records, location)  # the save identities in the files' layout records
     if len(world_sizes) > 1:
         raise CheckpointError(f"{location}: the files were saved at different world sizes {sorted(world_sizes)}.")
     world_size = world_sizes.pop()
@@ -179,8 +182,10 @@ def _rank_files(files: Sequence[str], location: str, quiet: bool) -> Opened:
             f"the files of rank(s) {missing} of the {world_size} are missing: the checkpoint is incomplete "
             "(convert refuses it)"
         )
-    first = ranks[min(ranks)][1]
-    return Opened(_Described(location, first), "per-rank files", "per-rank torch.save files", world_size, notes)
+    first_file, first = ranks[min(ranks)]
+    described = _Described(location, first)
+    described.side_records = {r.flat_key: r for r in records[first_file]}
+    return Opened(described, "per-rank files", "per-rank torch.save files", world_size, notes)
 
 
 def _index_optimizer(raws: Sequence[Any], where: str) -> dict[str, Any]:
@@ -359,8 +364,10 @@ def describe(path: str, layout: str = "auto", quiet: bool = False) -> dict[str, 
             else:
                 notes.append(
                     f"{len(set(flats) - set(records))} of the {len(flats)} flat parameters have no layout record "
-                    "(saved by torch's FSDP1): the parameters they hold are not recorded; listed as stored (convert "
-                    "them with --layout-from a LOCAL checkpoint of the same model saved by fsdp_legacy)"
+                    "(saved by torch's FSDP1, by a plain dcp.save, or without the state dict's _metadata): the "
+                    "parameters they hold are not recorded; listed as stored (convert them with --layout-from a "
+                    "LOCAL checkpoint of the same model saved by fsdp_legacy; save through "
+                    "fsdp_legacy.dcp_checkpoint.save, or with FSDP_LEGACY_LAYOUT_KEYS=1, to keep the records)"
                 )
         parameters = [
             {"name": str(key), "shape": list(leaf.shape), "dtype": _dtype(leaf.dtype), "bytes": leaf.nbytes}

@@ -40,6 +40,9 @@ class Checkpoint(abc.ABC):
 
     location: str  # named in every error
     leaves: dict[Path, Any]
+    # Layout records of the model section's flat parameters kept outside the leaves (a state dict's _metadata, a DCP
+    # side file), by flat key: FlatParamRecord (not typed here: record.py imports this module's neighbours).
+    side_records: Mapping[str, Any] = {}
 
     @abc.abstractmethod
     def read(self, path: Path) -> torch.Tensor:

@@ -266,6 +266,8 @@ def verify_conversion(
             missing = sorted(dotted(p) for p in expected.leaves.keys() - written.leaves.keys())
             extra = sorted(dotted(p) for p in written.leaves.keys() - expected.leaves.keys())
             raise CheckpointError(f"Verification of {destination} failed: missing {missing}, unexpected {extra}.")
+        if dict(written.side_records) != dict(expected.side_records):  # (a LOCAL output's records: its side file)
+            raise CheckpointError(f"Verification of {destination} failed: its layout records differ from the source's.")
         total = sum(leaf.nbytes for _, leaf in expected.tensors())
         done = count = 0
         for path, leaf in expected.leaves.items():

@@ -12,7 +12,8 @@ of its own, since DCP's writer holds every tensor of a file until the file is do
 
 Every data file written here ends with a stamp of the save's identity (the save id DCP's writer puts in `.metadata`),
 after the items, where DCP never reads: a directory whose files carry different ones (or some none) mixes saves and
-is refused by the reader. What each item holds is covered by the CRC-32s of its torch.save archive, checked on read.
+is refused by the reader. What each item holds is covered by the CRC-32s of its torch.save archive, checked on read,
+and every file by the CRC-32 in the side file (side_file.py), which also carries a LOCAL checkpoint's layout records.
 """
 
 import dataclasses
@@ -23,7 +24,7 @@ import pickle
 import struct
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, unflatten
 from .errors import CheckpointError
 from .integrity import check_archive
 from .loading import Refused, RestrictedUnpickler, safe_load
+from .record import FlatParamRecord
+from .side_file import SIDE_FILE, SideFile, check_files, file_crc, read_side_file, write_side_file
 
 METADATA_FILE = ".metadata"
 _STAMP = b"\nfsdp_legacy-save"  # ends every data file written here, after the JSON of the save identity and its size
@@ -89,7 +92,7 @@ class _Stored:
 class DcpCheckpoint(Checkpoint):
     def __init__(self, path: str) -> None:
         self.location = path
-        metadata = _read_metadata(os.path.join(path, METADATA_FILE))
+        metadata = read_metadata(os.path.join(path, METADATA_FILE))
         storage = metadata.storage_data
         if not isinstance(storage, Mapping) or any(
             type(v).__name__ != "_StorageInfo" or getattr(v, "transform_descriptors", None) for v in storage.values()
@@ -102,7 +105,14 @@ class DcpCheckpoint(Checkpoint):
             (index.fqn, tuple(index.offset) if index.offset is not None else None): info
             for index, info in storage.items()
         }
-        _check_one_save(path, metadata, storage)
+        check_stamps(path, metadata, storage)
+        side = read_side_file(path)
+        if side is not None:
+            check_side_file(path, side, metadata)
+            # .metadata's CRC-32 here; each item's bytes are covered by its archive's CRC-32s, checked when read (a
+            # whole-file check of every data file is dcp_checkpoint.load's, spread over the ranks).
+            check_files(path, side, [METADATA_FILE] if METADATA_FILE in side.files else [])
+            self.side_records = {r.flat_key: r for r in side.records.get("model", side.records.get("", ()))}
         mapping = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
         self._items: dict[Path, list[_Stored]] = {}
         self.leaves = {}
@@ -187,7 +197,7 @@ class DcpCheckpoint(Checkpoint):
             return safe_load(view, where)
 
 
-def _check_one_save(directory: str, metadata: Metadata, storage: Mapping) -> None:
+def check_stamps(directory: str, metadata: Metadata, storage: Mapping) -> None:
     """Refuse a directory whose data files are not all of the save its metadata describes (stamped by write_dcp;
     a directory with no stamped file was written by another writer and has nothing to check)."""
     extents: dict[str, int] = {}  # file -> the end of its last item
@@ -237,18 +247,45 @@ def _stamp_of(path: str, extent: int) -> tuple[str, str | None]:
     return "save", save_id
 
 
-def _stamp(directory: str, metadata: Metadata) -> None:
-    """Append the save's identity to each of its data files."""
-    save_id = getattr(metadata.storage_meta, "save_id", None)
+def check_side_file(directory: str, side: SideFile, metadata: Metadata) -> None:
+    """The side file must be of the save `.metadata` describes."""
+    expected = getattr(metadata.storage_meta, "save_id", None)
+    if side.save_id != expected:
+        raise CheckpointError(
+            f"{directory} mixes the files of different saves: its {METADATA_FILE} is of save {expected}, but "
+            f"{SIDE_FILE} is of save {side.save_id}: a file was copied from another checkpoint or left from an "
+            "earlier save. Restore the whole directory from one save."
+        )
+
+
+def data_files(metadata: Metadata) -> list[str]:
+    return sorted({str(info.relative_path) for info in metadata.storage_data.values()})
+
+
+def save_id_of(metadata: Metadata) -> str | None:
+    return getattr(metadata.storage_meta, "save_id", None)
+
+
+def stamp_file(path: str, save_id: str) -> None:
+    """Append the save's identity to one of its data files, after its items, where DCP never reads."""
+    record = json.dumps({"save_id": save_id}).encode()
+    with open(path, "ab") as file:
+        file.write(record + struct.pack("<Q", len(record)) + _STAMP)
+
+
+def _stamp(directory: str, metadata: Metadata, records: Mapping[str, Iterable[FlatParamRecord]]) -> None:
+    """Append the save's identity to each of its data files, then write the side file (records and CRC-32s)."""
+    save_id = save_id_of(metadata)
     if not save_id:
         return
-    record = json.dumps({"save_id": save_id}).encode()
-    for name in sorted({str(info.relative_path) for info in metadata.storage_data.values()}):
-        with open(os.path.join(directory, name), "ab") as file:
-            file.write(record + struct.pack("<Q", len(record)) + _STAMP)
+    names = data_files(metadata)
+    for name in names:
+        stamp_file(os.path.join(directory, name), save_id)
+    crcs = {name: file_crc(os.path.join(directory, name)) for name in [*names, METADATA_FILE]}
+    write_side_file(directory, save_id, records, crcs)
 
 
-def _read_metadata(file: str) -> Metadata:
+def read_metadata(file: str) -> Metadata:
     try:
         with open(file, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
@@ -331,7 +368,7 @@ def write_dcp(
             if isinstance(failure, RuntimeError) and _raised_by_torch_save(failure):  # a short write: a full disk
                 raise OSError(f"torch.save could not write an item ({failure})") from None
             raise failure from None
-        _stamp(temporary, metadata)
+        _stamp(temporary, metadata, {"model": source.side_records.values()} if source.side_records else {})
         if before_commit is not None:
             before_commit(temporary)
 

@@ -8,6 +8,7 @@ keyed by FQN in every format) passes through unchanged.
 """
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,14 +16,16 @@ import torch
 from ..flat_param import PADDING_VALUE
 from .checkpoint import Checkpoint, Chunk, Path, TensorMeta
 from .errors import CheckpointError
-from .record import RECORD_SUFFIX, FlatParamRecord, ParamRecord, is_flat_key, is_record_key
+from .record import LAYOUT_KEYS_ENV, RECORD_SUFFIX, FlatParamRecord, ParamRecord, is_flat_key, is_record_key
+from .side_file import SIDE_FILE
 
 LAYOUT = "layout"  # the top-level section that carries records through full and DCP checkpoints
 
 
 def records_in(checkpoint: Checkpoint) -> dict[str, FlatParamRecord]:
-    """The layout records a checkpoint carries (beside LOCAL flat parameters, or in its layout section), by flat key."""
-    found: dict[str, FlatParamRecord] = {}
+    """The layout records a checkpoint carries (outside its keys: a state dict's _metadata, a DCP side file; or as
+    tensors of earlier versions beside LOCAL flat parameters, or in its layout section), by flat key."""
+    found: dict[str, FlatParamRecord] = dict(checkpoint.side_records)
     for section in ("model", LAYOUT):
         for key, leaf in checkpoint.section(section).items():
             if is_record_key(key) and isinstance(leaf, TensorMeta):
@@ -89,11 +92,13 @@ class Unflattened(Checkpoint):
         if record is None:
             if key not in layout:
                 raise CheckpointError(
-                    f"{where} is a flat parameter without a layout record (model.{key}{RECORD_SUFFIX}): it was saved "
-                    "by torch's FSDP1 (or without fsdp_legacy's record), so which parameters it holds is unknown. "
-                    "Pass --layout-from (layout_from=) a checkpoint of the same model and wrapping saved by "
-                    "fsdp_legacy at any world size, or load it into the model wrapped with fsdp_legacy under "
-                    "LOCAL_STATE_DICT and save it again."
+                    f"{where} is a flat parameter without a layout record, so which parameters it holds is unknown. "
+                    "fsdp_legacy keeps the record in the state dict's _metadata (which torch.save keeps), and in a "
+                    f"DCP directory's {SIDE_FILE} when saved through fsdp_legacy.dcp_checkpoint.save; this checkpoint "
+                    "was saved by torch's FSDP1, by a plain dcp.save, or from a copy of the state dict without its "
+                    "_metadata. Pass --layout-from (layout_from=) a checkpoint of the same model and wrapping saved by "
+                    "fsdp_legacy at any world size; or save with fsdp_legacy.dcp_checkpoint.save (or "
+                    f"{LAYOUT_KEYS_ENV}=1, which adds the records as <flat key>{RECORD_SUFFIX} tensors) next time."
                 )
             # The flat parameter's world size, from the chunks the ranks saved: ceil(numel / shard numel).
             world_size = -(-leaf.shape[0] // max(s[0] for _, s in chunks)) if chunks else layout[key].world_size
@@ -125,13 +130,14 @@ class Unflattened(Checkpoint):
 
 
 class Flattened(Checkpoint):
-    """A checkpoint by FQN as a LOCAL one laid out by `records`: flat parameters and their records in the model
-    section, stored in one chunk per rank."""
+    """A checkpoint by FQN as a LOCAL one laid out by `records`: flat parameters in the model section, stored in one
+    chunk per rank, their records in `side_records`."""
 
     def __init__(self, source: Checkpoint, records: Iterable[FlatParamRecord]) -> None:
         self.location, self._source = source.location, source
         self._records: dict[Path, FlatParamRecord] = {("model", r.flat_key): r for r in records}
-        self._record_tensors = {("model", r.record_key): r.to_tensor() for r in self._records.values()}
+        # The records travel outside the keys (the writer's side file), as a LOCAL state dict's do.
+        self.side_records = {r.flat_key: replace(r, save_id=None) for r in self._records.values()}
         model = source.section("model")
         owner: dict[Path, FlatParamRecord] = {}  # every parameter a flat parameter holds, tied ones included
         for record in self._records.values():
@@ -145,9 +151,7 @@ class Flattened(Checkpoint):
                 if path[0] != LAYOUT:  # the records now sit beside their flat parameters
                     self.leaves[path] = leaf
             elif ("model", holder.flat_key) not in self.leaves:  # where the unit's first parameter was
-                meta = self._record_tensors[("model", holder.record_key)]
                 self.leaves[("model", holder.flat_key)] = TensorMeta(torch.Size([holder.numel]), holder.dtype)
-                self.leaves[("model", holder.record_key)] = TensorMeta.of(meta)
 
     def _check(self, record: FlatParamRecord, fqn: str, shape: tuple[int, ...], model: Mapping[str | int, Any]) -> None:
         where = f"model.{fqn} in {self.location}"
@@ -171,8 +175,6 @@ class Flattened(Checkpoint):
             )
 
     def read(self, path: Path) -> torch.Tensor:
-        if path in self._record_tensors:
-            return self._record_tensors[path]
         record = self._records.get(path)
         if record is None:
             return self._source.read(path)

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from ..safetensors_io import mixed_saves
 from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, flatten
 from .errors import CheckpointError
 from .integrity import check_archive
 from .loading import LocalShards, load_rank_file
+from .record import FlatParamRecord, records_in_metadata
 
 
 def is_rank_file(path: str) -> bool:
@@ -76,8 +78,9 @@ class RankFiles(Checkpoint):
             raise CheckpointError(f"{location} names no per-rank files of a LOCAL state dict.")
         by_rank: dict[int, tuple[str, dict[Path, Any]]] = {}
         world_sizes: dict[int, str] = {}
+        records: dict[str, list[FlatParamRecord]] = {}
         for file in files:
-            leaves, rank, world_size = self._open(file)
+            leaves, rank, world_size, records[file] = self._open(file)
             if rank in by_rank:
                 raise CheckpointError(
                     f"{file} and {by_rank[rank][0]} are both rank {rank}'s LOCAL state dict (by the ShardedTensors "
@@ -86,6 +89,7 @@ class RankFiles(Checkpoint):
                 )
             by_rank[rank] = (file, leaves)
             world_sizes.setdefault(world_size, file)
+        check_one_save(records, location)
         if len(world_sizes) > 1:
             described = ", ".join(f"{w} ({f})" for w, f in sorted(world_sizes.items()))
             raise CheckpointError(
@@ -113,6 +117,7 @@ class RankFiles(Checkpoint):
                     f"({different}): they are not from one save. Pass the files of one save."
                 )
         self.world_size = world_size
+        self.side_records = {r.flat_key: r for r in records[first_file]}
         self.leaves, self._plain, self._pieces = {}, {}, {}
         # The sharded tensors in the order saved, each once: a tied parameter, saved under two keys, has the same
         # local pieces (the same storage) under both, on every rank.
@@ -129,7 +134,7 @@ class RankFiles(Checkpoint):
                 self.leaves[path] = leaf
         self.sharded: list[Path] = list(distinct.values())
 
-    def _open(self, file: str) -> tuple[dict[Path, Any], int, int]:
+    def _open(self, file: str) -> tuple[dict[Path, Any], int, int, list[FlatParamRecord]]:
         if not os.path.isfile(file):
             raise CheckpointError(f"{file} does not exist: pass the per-rank files of a LOCAL state dict.")
         with open(file, "rb") as handle:
@@ -142,6 +147,7 @@ class RankFiles(Checkpoint):
             raise CheckpointError(f"{file} holds a {type(tree).__name__}, not a LOCAL state dict.")
         if "model" not in tree:
             tree = {"model": tree}  # torch.save(model.state_dict())
+        records = records_in_metadata(getattr(tree["model"], "_metadata", None), file)
         leaves = flatten(tree, file)
         for path, value in leaves.items():
             if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter):
@@ -163,7 +169,7 @@ class RankFiles(Checkpoint):
         rank, world_size = groups.pop()
         if not 0 <= rank < world_size:
             raise CheckpointError(f"{file} says it was saved by rank {rank} of {world_size}: the file is damaged.")
-        return leaves, rank, world_size
+        return leaves, rank, world_size, records
 
     def read(self, path: Path) -> torch.Tensor:
         if path in self._plain:
@@ -218,6 +224,35 @@ def assemble(path: Path, saved: list[tuple[str, LocalShards]], location: str) ->
             f"{first.shape.numel()} elements: the files are not from one save, or damaged."
         )
     return sorted(pieces.items())
+
+
+def check_one_save(records: Mapping[str, list[FlatParamRecord]], location: str) -> None:
+    """Refuse per-rank files whose layout records (in their state dicts' _metadata) are of different saves or
+    layouts, naming each file and its save. Files without records (torch's FSDP1, earlier versions) pass."""
+    ids = {file: {r.save_id for r in found} for file, found in records.items()}
+    for file, found in ids.items():
+        if len(found) > 1:
+            raise CheckpointError(
+                f"{file} holds layout records of different saves ({', '.join(sorted(map(str, found)))}): it was "
+                "assembled from several state dicts. Save it again."
+            )
+    by_file = {file: next(iter(found)) for file, found in ids.items() if found}
+    if not by_file:
+        return
+    by_file.update((file, None) for file in ids if file not in by_file)
+    mixed = mixed_saves(by_file, location)
+    if mixed:
+        raise CheckpointError(
+            mixed.replace("Restore the whole directory from one save.", "Pass every rank's file of one save.")
+        )
+    layouts = {file: sorted(found, key=lambda r: r.flat_key) for file, found in records.items()}
+    first = next(iter(layouts))
+    for file, layout in layouts.items():
+        if layout != layouts[first]:
+            raise CheckpointError(
+                f"{file} and {first} describe different flat-parameter layouts in their records: they are not from "
+                "one save. Pass every rank's file of one save."
+            )
 
 
 def _identity(path: Path, saved: list[LocalShards]) -> Any:

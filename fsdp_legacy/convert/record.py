@@ -1,16 +1,24 @@
 """The layout record of one flat parameter: what a LOCAL checkpoint needs to be read without the model's code.
 
 A LOCAL_STATE_DICT stores each FSDP unit's flat shard under `<prefix>_flat_param` and, like torch's, nothing about
-what it holds. fsdp_legacy adds `<prefix>_flat_param_meta` beside it: this record as UTF-8 JSON in a 1-D uint8 tensor,
-so it survives torch.save (weights_only=True), DCP and every tensor-only tool. It lists the original parameters by
-clean FQN with shape and offset, the padding segments, the dtype, the world size it was saved at, the alignment rule
-(so the layout can be re-planned for another world size) and the tied parameters stored once.
+what it holds. The record, UTF-8 JSON, lists the original parameters by clean FQN with shape and offset, the padding
+segments, the dtype, the world size it was saved at, the alignment rule (so the layout can be re-planned for another
+world size), the tied parameters stored once and, where known, the save's identity (save_identity.py).
+
+Where it travels (the state dict's keys stay exactly torch's):
+* in the state dict's `_metadata` (the per-module dict nn.Module.state_dict keeps beside the keys), as a list of JSON
+  strings under METADATA_KEY in the unit's entry: torch.save keeps it and torch.load(weights_only=True) restores it;
+* in a DCP directory saved through fsdp_legacy (fsdp_legacy.dcp_checkpoint, the converter), in its side file
+  (side_file.py), since DCP drops `_metadata`;
+* in checkpoints of earlier versions, and with the opt-in FSDP_LEGACY_LAYOUT_KEYS=1, as `<prefix>_flat_param_meta`:
+  the JSON in a 1-D uint8 tensor beside the flat parameter (without a save identity, so its size never changes).
 """
 
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeGuard
 
 import torch
@@ -22,6 +30,8 @@ FLAT_PARAM = "_flat_param"  # torch's name, as fully_sharded_data_parallel.FLAT_
 RECORD_SUFFIX = "_meta"
 # A unit whose parameters differ in dtype has one flat parameter per dtype: `_flat_param`, then `_flat_param_1`, ...
 _FLAT_NAME = re.compile(rf"(^|\.)({FLAT_PARAM}(_[1-9][0-9]*)?)$")
+LAYOUT_KEYS_ENV = "FSDP_LEGACY_LAYOUT_KEYS"  # "1": LOCAL state dicts also carry the records as tensor keys (opt-in)
+METADATA_KEY = "fsdp_legacy_layout"  # in a state dict's _metadata entry of a unit: its records as JSON strings
 FORMAT = "fsdp_legacy.flat_param_layout"
 VERSION = 1
 
@@ -48,6 +58,7 @@ class FlatParamRecord:
     segments: tuple[tuple[int, bool], ...]  # (numel, is_padding) covering [0, numel)
     numel: int  # alignment padding included, world padding not (the LOCAL_STATE_DICT's global size)
     name: str = FLAT_PARAM  # the flat parameter's name in its unit
+    save_id: str | None = field(default=None, compare=False)  # the save's identity; not part of the layout
 
     @property
     def flat_key(self) -> str:
@@ -98,12 +109,13 @@ class FlatParamRecord:
             numel=layout.numel,
         )
 
-    def to_tensor(self) -> torch.Tensor:
+    def to_json(self) -> str:
         body = {
             "format": FORMAT,
             "version": VERSION,
             "prefix": self.prefix,
             **({"name": self.name} if self.name != FLAT_PARAM else {}),  # (one-dtype units: as before)
+            **({"save_id": self.save_id} if self.save_id is not None else {}),
             "dtype": str(self.dtype).removeprefix("torch."),
             "world_size": self.world_size,
             "aligned_numel": self.aligned_numel,
@@ -112,18 +124,37 @@ class FlatParamRecord:
             "shared": [list(pair) for pair in self.shared],
             "segments": [list(s) for s in self.segments],
         }
-        return torch.frombuffer(bytearray(json.dumps(body, separators=(",", ":")).encode()), dtype=torch.uint8)
+        return json.dumps(body, separators=(",", ":"))
+
+    def to_tensor(self) -> torch.Tensor:
+        """The record as the tensor key of earlier versions (without the save identity: a fixed size per layout)."""
+        text = replace(self, save_id=None).to_json()
+        return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, where: str) -> "FlatParamRecord":
-        """Decode and validate a record; `where` (key and file) goes into every error."""
+        """Decode and validate a record stored as a tensor key; `where` (key and file) goes into every error."""
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
             raise CheckpointError(
                 f"{where}: a flat-parameter layout record must be a 1-D uint8 tensor, got "
                 f"{_describe(tensor)}. The checkpoint is damaged or the key is not a layout record."
             )
         try:
-            body = json.loads(bytes(tensor.cpu().numpy()).decode())
+            text = bytes(tensor.cpu().numpy()).decode()
+        except UnicodeDecodeError as error:
+            raise CheckpointError(
+                f"{where}: the flat-parameter layout record is not readable ({error}); the "
+                "checkpoint is damaged. Re-save it, or restore it from a copy."
+            ) from None
+        return cls.from_json(text, where)
+
+    @classmethod
+    def from_json(cls, text: object, where: str) -> "FlatParamRecord":
+        """Decode and validate a record's JSON; `where` goes into every error."""
+        try:
+            if not isinstance(text, str):
+                raise TypeError(f"a {type(text).__name__}, not a JSON string")
+            body = json.loads(text)
             record = cls(
                 prefix=body["prefix"],
                 dtype=_dtype(body["dtype"]),
@@ -134,6 +165,7 @@ class FlatParamRecord:
                 segments=tuple((int(n), bool(pad)) for n, pad in body["segments"]),
                 numel=int(body["numel"]),
                 name=str(body.get("name", FLAT_PARAM)),
+                save_id=_save_id(body.get("save_id")),
             )
             ok = body.get("format") == FORMAT and body.get("version") == VERSION
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
@@ -161,6 +193,24 @@ class FlatParamRecord:
         return record
 
 
+def records_in_metadata(metadata: object, where: str) -> list[FlatParamRecord]:
+    """The records a state dict's `_metadata` carries (none where it has none, as torch's state dicts)."""
+    if not isinstance(metadata, Mapping):
+        return []
+    found = []
+    for prefix, entry in metadata.items():
+        texts = entry.get(METADATA_KEY) if isinstance(entry, Mapping) else None
+        if texts is None:
+            continue
+        if not isinstance(texts, (list, tuple)):
+            raise CheckpointError(
+                f"{where}: the state dict's _metadata[{prefix!r}][{METADATA_KEY!r}] is a {type(texts).__name__}, not "
+                "a list of layout records: the checkpoint is damaged. Re-save it."
+            )
+        found += [FlatParamRecord.from_json(text, f"{where} (_metadata[{prefix!r}])") for text in texts]
+    return found
+
+
 def is_flat_key(key: object) -> TypeGuard[str]:
     """Whether a state-dict key names a flat parameter (`_flat_param`, or `_flat_param_<i>` of a mixed-dtype unit)."""
     return isinstance(key, str) and _FLAT_NAME.search(key) is not None
@@ -168,6 +218,12 @@ def is_flat_key(key: object) -> TypeGuard[str]:
 
 def is_record_key(key: object) -> TypeGuard[str]:
     return isinstance(key, str) and key.endswith(RECORD_SUFFIX) and is_flat_key(key[: -len(RECORD_SUFFIX)])
+
+
+def _save_id(value: object) -> str | None:
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"save_id {value!r} is not a non-empty string")
+    return value
 
 
 def _dtype(name: str) -> torch.dtype:

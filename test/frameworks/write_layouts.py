@@ -89,13 +89,12 @@ def accelerate_layout(out: Path, name: str, state_dict_type: str, use_orig_param
 
 def our_layout(out: Path) -> None:
     """fsdp_legacy's LOCAL checkpoint of Net wrapped as the plugin wraps it: its layout records."""
-    import torch.distributed.checkpoint as dcp
-
     import fsdp_legacy
+    from fsdp_legacy import dcp_checkpoint
 
     model = fsdp_legacy.FullyShardedDataParallel(Net(), auto_wrap_policy=fsdp_legacy.wrap.ModuleWrapPolicy({Block}))
     with fsdp_legacy.FullyShardedDataParallel.state_dict_type(model, fsdp_legacy.StateDictType.LOCAL_STATE_DICT):
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(out / "layout"))
+        dcp_checkpoint.save({"model": model.state_dict()}, str(out / "layout"))  # records in its side file
 
 
 def accelerate(out: Path) -> None:

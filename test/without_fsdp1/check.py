@@ -84,18 +84,18 @@ def main() -> None:
     legacy = FSDP.full_optim_state_dict(model, optimizer)  # (rank 0 only, by default)
     found["legacy_full_optim_state_dict"] = sorted(legacy["state"]) if dist.get_rank() == 0 else None
 
+    from fsdp_legacy import dcp_checkpoint  # dcp.save + the side file the converter reads LOCAL layouts from
+
     for kind in ("SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
         path = str(args.dir / kind)
         with FSDP.state_dict_type(model, api.StateDictType[kind]):
-            dcp.save(
-                {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}, checkpoint_id=path
-            )
+            dcp_checkpoint.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}, path)
         other = build(seed=1)
         other_optimizer = torch.optim.SGD(other.parameters(), lr=0.05, momentum=0.9)
         _train(other, steps=1)
         with FSDP.state_dict_type(other, api.StateDictType[kind]):
             state = {"model": other.state_dict(), "optim": FSDP.optim_state_dict(other, other_optimizer)}
-            dcp.load(state, checkpoint_id=path)
+            dcp_checkpoint.load(state, path)
             other.load_state_dict(state["model"])
             other_optimizer.load_state_dict(FSDP.optim_state_dict_to_load(other, other_optimizer, state["optim"]))
         with FSDP.state_dict_type(other, api.StateDictType.FULL_STATE_DICT):

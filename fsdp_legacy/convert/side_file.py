@@ -1,0 +1,115 @@
+"""The side file of a DCP directory saved through fsdp_legacy (fsdp_legacy.dcp_checkpoint, the converter): what DCP
+itself does not keep.
+
+    <directory>/.fsdp_legacy.json   {"format", "version", "save_id", "records": {section: [record JSON]},
+                                     "files": {name: CRC-32 of the whole file}}
+
+* `records`: the layout records of LOCAL state dicts (DCP saves tensors and drops the state dict's `_metadata`,
+  where they travel otherwise), by the dotted path of the state dict in the saved tree ("" for a bare one);
+* `save_id`: DCP's own save id from `.metadata`, which every data file also ends with (dcp_files.stamp_file): files
+  of another save are refused by name;
+* `files`: a CRC-32 of every file of the save, `.metadata` included (DCP checks none).
+
+It is written last, atomically (a temporary file renamed), after every data file is complete: a directory with
+`.metadata` but without it was written by another saver (plain dcp.save) and has none of these checks.
+"""
+
+import json
+import os
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .errors import CheckpointError
+from .record import FlatParamRecord
+
+SIDE_FILE = ".fsdp_legacy.json"
+_FORMAT = "fsdp_legacy.dcp_side"
+_VERSION = 1
+_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class SideFile:
+    save_id: str | None
+    records: Mapping[str, tuple[FlatParamRecord, ...]]  # dotted path of a state dict in the saved tree -> records
+    files: Mapping[str, int]  # file name -> CRC-32
+
+
+def file_crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as file:
+        while block := file.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def write_side_file(
+    directory: str, save_id: str | None, records: Mapping[str, Iterable[FlatParamRecord]], files: Mapping[str, int]
+) -> None:
+    body = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "save_id": save_id,
+        "records": {section: [r.to_json() for r in found] for section, found in records.items()},
+        "files": dict(sorted(files.items())),
+    }
+    temporary = os.path.join(directory, f"{SIDE_FILE}.tmp-{os.getpid()}")
+    with open(temporary, "w") as file:
+        json.dump(body, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, os.path.join(directory, SIDE_FILE))
+
+
+def read_side_file(directory: str) -> SideFile | None:
+    """The side file of a DCP directory, or None where it has none."""
+    path = os.path.join(directory, SIDE_FILE)
+    try:
+        with open(path) as file:
+            text = file.read()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be read ({error}).") from None
+    try:
+        body = json.loads(text)
+        if body.get("format") != _FORMAT or body.get("version") != _VERSION:
+            raise CheckpointError(
+                f"{path}: unknown format {body.get('format')!r} version {body.get('version')!r} (this fsdp_legacy "
+                f"reads {_FORMAT!r} version {_VERSION}): upgrade fsdp_legacy."
+            )
+        save_id = body["save_id"]
+        files = {str(name): int(crc) for name, crc in body["files"].items()}
+        sections = body["records"].items()
+        if save_id is not None and not isinstance(save_id, str):
+            raise TypeError("save_id is not a string")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(
+            f"{path} is damaged ({error}): restore the checkpoint directory from a copy, or save it again."
+        ) from None
+    records = {
+        str(section): tuple(
+            FlatParamRecord.from_json(text, f"{path} ({section or 'the state dict'})") for text in found
+        )
+        for section, found in sections
+    }
+    return SideFile(save_id, records, files)
+
+
+def check_files(directory: str, side: SideFile, names: Iterable[str] | None = None) -> None:
+    """Refuse a file of the save (or of `names`) that is missing or whose CRC-32 differs from the side file's."""
+    for name in sorted(side.files if names is None else names):
+        path = os.path.join(directory, name)
+        try:
+            crc = file_crc(path)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{path} is missing: the checkpoint is incomplete (copy every file of the directory)."
+            ) from None
+        if crc != side.files[name]:
+            raise CheckpointError(
+                f"{path} is corrupted or from another save: its CRC-32 {crc:08x} differs from the "
+                f"{side.files[name]:08x} recorded when it was saved ({SIDE_FILE}). Restore the whole directory from a "
+                "copy of one save, or save it again."
+            )
