@@ -137,7 +137,8 @@ class Runtime:
             if not grad_enabled or (handle.reshard_after_forward and (unit is not self.root or handle.recast_only)):
                 self._reshard(handle)
             handle.training_state = HandleTrainingState.IDLE
-            handle.needs_pre_backward = grad_enabled
+            # (a run without grad leaves an earlier run's pending backward as it is: that one still needs the gather)
+            handle.needs_pre_backward = handle.needs_pre_backward or grad_enabled
         if grad_enabled:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
