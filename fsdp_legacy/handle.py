@@ -39,6 +39,7 @@ from .flat_param import (
 )
 from .naming import FLAT_PARAM
 from .orig_param_grads import OrigParamGrads, _assign_grad
+from .orig_param_views import OrigParamViews
 from .tensor_parallel import DTensorParam, local_tensor
 
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
@@ -65,7 +66,7 @@ class PendingReduction:
     post_divide: float
 
 
-class FlatParamHandle(OrigParamGrads):
+class FlatParamHandle(OrigParamGrads, OrigParamViews):
     def __init__(
         self,
         module: nn.Module,
@@ -165,6 +166,7 @@ class FlatParamHandle(OrigParamGrads):
         self.grads_on_orig_params = use_orig_params and self.uses_buffer
         self._compact_grad = None
         self._compact_views = {}
+        self._registered_views = {}
         for info, param in originals.items():
             FLATTENED[param] = f"'{info.fqn}' of the FSDP unit wrapping {type(module).__name__}"
         if use_orig_params and self.dtensors:
@@ -270,10 +272,15 @@ class FlatParamHandle(OrigParamGrads):
 
     def select_precision(self, full_precision: bool) -> None:
         """FSDP_USE_FULL_PREC_IN_EVAL: a mixed-precision unit then gathers and computes in full precision. The
-        choice is made while resharded, so each unshard uses one buffer throughout."""
-        if not self.mixed or not self.needs_unshard:
+        choice is made while resharded, so each unshard uses one buffer throughout; a unit still gathered in the other
+        precision (kept for a backward, SHARD_GRAD_OP) reshards first, and that backward can no longer run."""
+        if not self.mixed:
             return
         dtype = self.local_shard.dtype if full_precision else self.compute_dtype
+        if dtype == self.full_padded.dtype:
+            return
+        if not self.needs_unshard:  # still gathered in the other precision from a forward (SHARD_GRAD_OP): let go
+            self.reshard()
         if dtype not in self._unsharded_buffers:
             buffer = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.compute_device)
             _free(buffer)
@@ -328,6 +335,13 @@ class FlatParamHandle(OrigParamGrads):
             self.is_unsharded = False
         _free(self.full_padded)
 
+    def keep_unsharded_after_forward(self) -> None:
+        """Forward is over and the unit stays gathered for backward. As in torch, SHARD_GRAD_OP keeps showing the
+        unsharded views until backward; otherwise (a FULL_SHARD root, NO_SHARD) use_orig_params=True shows the
+        original parameters again, and only the gathered buffer waits for backward."""
+        if self.use_orig_params and not (self.sharded and not self._strategy_reshards_after_forward):
+            self.drop_unsharded_views()
+
     # ----------------------------------------------------------------------------------------------------------------
     # Views of the original parameters
 
@@ -355,6 +369,8 @@ class FlatParamHandle(OrigParamGrads):
             views[info] = self.typed(views[info], info)
         for module, name, info in self._attributes():
             module.__dict__[name] = views[info]
+        if self.use_orig_params and self.training_state == HandleTrainingState.FORWARD:
+            self._register_views(views)
 
     def _placeholder(self, info: ParamInfo, dtype: torch.dtype) -> torch.Tensor:
         """A meta tensor of the parameter's shape (a DTensor parameter's global one) standing in outside forward."""
@@ -404,6 +420,8 @@ class FlatParamHandle(OrigParamGrads):
                 module.__dict__.pop(name, None)
             else:
                 module.__dict__[name] = self._placeholders[info]
+        if self._registered_views:
+            self._register_orig_params()
 
     def _attributes(self):
         """(module, attribute name, ParamInfo) of every original parameter reference, tied ones included."""
@@ -412,28 +430,16 @@ class FlatParamHandle(OrigParamGrads):
         for shared in self.layout.shared:
             yield shared.module, shared.param_name, shared.primary
 
-    @torch.no_grad()
     def writeback_orig_params(self) -> None:
-        """use_orig_params=True: an original parameter whose `.data` the user replaced since the last step (same
-        shape) is copied into the local shard, and becomes a view of it again; as torch does before each unshard."""
-        if not self.use_orig_params or self.training_state == HandleTrainingState.SUMMON_FULL_PARAMS:
-            return  # (summon_full_params shows full views in their place, and writes edits back itself)
-        for info, param in self.orig_params.items():
-            expected = self._local_view(self.local_shard, info)
-            if param.data.is_set_to(expected) or (param.numel() == 0 and expected.numel() == 0):
-                continue
-            if param.numel() != expected.numel():  # (torch compares the flattened shapes, and says so)
-                raise RuntimeError(
-                    "Cannot writeback when the parameter shape changes\n"
-                    f"Expects {torch.Size([expected.numel()])} but got {param.shape}"
-                )
-            expected.copy_(param.data.reshape(expected.shape))
-            param.data = expected
+        """use_orig_params=True: take in replaced original parameters before an unshard (orig_param_views.py)."""
+        if self.use_orig_params and self.training_state != HandleTrainingState.SUMMON_FULL_PARAMS:
+            self._writeback_orig_params()  # (summon_full_params shows full views in their place, writes back itself)
 
     def _use_sharded_orig_params(self) -> None:
         """use_orig_params=True: original parameters become views of the local shard (1-D pieces when sharded)."""
         for info, param in self.orig_params.items():
             param.data = self._local_view(self.local_shard, info)
+        self._register_orig_params()
 
     # ----------------------------------------------------------------------------------------------------------------
     # Gradients
@@ -444,6 +450,8 @@ class FlatParamHandle(OrigParamGrads):
         if self.backward_prepared:
             return
         self.backward_prepared = True
+        if self._registered_views:
+            self._check_registered_views()
         self.sync_grad_from_orig_params()
         if self.uses_buffer and not self.grads_on_orig_params:
             grad, self.flat_param.grad = self.flat_param.grad, None

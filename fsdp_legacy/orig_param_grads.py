@@ -44,8 +44,11 @@ class OrigParamGrads:
             return
         flat_grad = self.flat_param.grad
         grads = {info: p.grad for info, p in self.orig_params.items() if info in self._orig_grad_views}
-        if flat_grad is not None and all(grads[i] is v for i, v in self._orig_grad_views.items()):
-            return  # untouched since we set them
+        storage = flat_grad.untyped_storage().data_ptr() if flat_grad is not None else None
+        if flat_grad is not None and all(
+            grads[i] is v and v.untyped_storage().data_ptr() == storage for i, v in self._orig_grad_views.items()
+        ):
+            return  # untouched since we set them (`.grad.data = ...` keeps the object but not the storage)
         if all(g is None for g in grads.values()):
             self.flat_param.grad = None
             self._orig_grad_views = {}

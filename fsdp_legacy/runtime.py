@@ -136,8 +136,11 @@ class Runtime:
             # are only a local recast (NO_SHARD); without grad there is no backward, so everything reshards.
             if not grad_enabled or (handle.reshard_after_forward and (unit is not self.root or handle.recast_only)):
                 self._reshard(handle)
+            else:
+                handle.keep_unsharded_after_forward()
             handle.training_state = HandleTrainingState.IDLE
-            handle.needs_pre_backward = grad_enabled
+            # (a run without grad leaves an earlier run's pending backward as it is: that one still needs the gather)
+            handle.needs_pre_backward = handle.needs_pre_backward or grad_enabled
         if grad_enabled:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:

@@ -66,6 +66,7 @@ def _summon_unit(
 def _summon_handle(
     unit: FSDPUnit, handle: FlatParamHandle, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> Iterator[None]:
+    _writeback_on_every_rank(handle)
     handle.training_state = HandleTrainingState.SUMMON_FULL_PARAMS
     try:
         # use_orig_params=True: take in what the user did to the gradients since backward (zero_grad), or the exit,
@@ -91,6 +92,30 @@ def _summon_handle(
             _hide(unit, handle)
     finally:
         handle.training_state = HandleTrainingState.IDLE
+
+
+def _writeback_on_every_rank(handle: FlatParamHandle) -> None:
+    """use_orig_params=True: replaced parameters are written back before the gather, as torch does. A rank that
+    cannot (a changed shape) raises torch's error; the others learn of it and raise too rather than wait in the
+    all-gather (torch's ranks would hang there)."""
+    if not handle.use_orig_params:
+        return
+    handle.drop_unsharded_views()  # views kept from a forward (SHARD_GRAD_OP) give way to the parameters, as in torch
+    error: RuntimeError | NotImplementedError | None = None
+    try:
+        handle.writeback_orig_params()
+    except (RuntimeError, NotImplementedError) as raised:
+        error = raised
+    if handle.sharded and handle.world_size > 1:
+        failed = torch.tensor([float(error is not None)], device=handle.compute_device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=handle.group)
+        if failed.item() and error is None:
+            raise RuntimeError(
+                "Cannot writeback: another rank of this FSDP unit's group found a parameter or gradient whose shape "
+                f"changed (units holding {', '.join(handle.flat_param._fqns)})"
+            )
+    if error is not None:
+        raise error
 
 
 def _in_registration_order(unit: FSDPUnit) -> None:
@@ -134,6 +159,7 @@ def _gather(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
 def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_grad: torch.Tensor | None) -> None:
     views = {info: full[info.offset : info.offset + info.numel].view(info.shape) for info in handle.layout.params}
     if handle.use_orig_params:
+        handle._register_orig_params()
         for info, param in handle.orig_params.items():
             param.data = views[info]
             if full_grad is not None and param.requires_grad:
