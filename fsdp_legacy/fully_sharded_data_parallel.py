@@ -209,8 +209,10 @@ class FullyShardedDataParallel(FSDPUnit):
                 handle.flat_param.register_post_accumulate_grad_hook(hook)
         self._fsdp_wrapped_module = module
         if not use_orig_params:
+            # On the module inside an activation-checkpoint wrapper the unit was built around, as torch does (its
+            # `module`): the wrapper's load hook moves every key below it into that module.
             for handle in self._handles:
-                module.register_parameter(handle.flat_name, handle.flat_param)
+                self.module.register_parameter(handle.flat_name, handle.flat_param)
         _state_dict.init_unit(self)
         _state_dict_loading.register_load_hooks(self)
 
