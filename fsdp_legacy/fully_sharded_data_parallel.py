@@ -37,6 +37,7 @@ from .construction import (
     _resolve_group,
     _resolve_ignored,
 )
+from .conversion import converting
 from .flat_param import FlatParameter, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
 from .runtime import Runtime
@@ -331,6 +332,11 @@ class FullyShardedDataParallel(FSDPUnit):
                 "helpers from fsdp_legacy.checkpoint."
             )
         raise AttributeError("_fqn_modifiers")  # as torch's FSDP1 has none
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """`.half()`, `.to()`, `.cuda()` ... convert the flat parameters (conversion.py)."""
+        with converting(self, fn):
+            return super()._apply(fn, recurse)
 
     def __getattr__(self, name: str) -> Any:
         try:
