@@ -500,3 +500,38 @@ def _checkpointed_blocks_train_as_without() -> None:
 
 def test_checkpointed_blocks_inside_offloaded_units_train_as_without_checkpointing() -> None:
     run_on_ranks(_checkpointed_blocks_train_as_without, 2)
+
+
+class _WithIgnored(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.mixed = nn.Linear(4, 4)
+        self.mixed.extra = nn.Parameter(torch.randn(4))  # ignored: between managed parameters of one module
+        self.mixed.register_parameter("weight", self.mixed._parameters.pop("weight"))  # after it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mixed(self.first(x)) + self.mixed.extra
+
+
+def _half_keeps_parameter_order(use_orig_params: bool) -> None:
+    """Parameters FSDP does not manage are converted as nn.Module converts them, and every module keeps its
+    parameter order, as on torch's FSDP1. (With use_orig_params torch's construction already moves a module's managed
+    parameters behind its ignored ones, ours keeps the module's order: compared as sets across the libraries.)"""
+    shown = []
+    for lib in (fsdp_legacy, torch_fsdp):
+        torch.manual_seed(0)
+        model = _WithIgnored()
+        model = _fsdp(lib, model, use_orig_params=use_orig_params, ignored_states=[model.mixed.extra])
+        before = [name for name, _ in model.named_parameters()]
+        model.half()
+        after = [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
+        assert [name for name, _, _ in after] == before, f"{lib.__name__}: the order changed"
+        out = model(torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank())).half())
+        shown.append((sorted(after, key=str), out.detach()))
+    _assert_same(shown[0], shown[1], "after .half()")
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_half_keeps_parameter_order_and_converts_ignored_parameters(use_orig_params: bool) -> None:
+    run_on_ranks(_half_keeps_parameter_order, 2, use_orig_params)
