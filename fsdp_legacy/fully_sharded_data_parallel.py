@@ -31,6 +31,7 @@ from .construction import (
     materialize_and_move,
     resolve_setup,
 )
+from .conversion import converting
 from .flat_param import FlatParameter, ParamRef, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
 from .runtime import Runtime
@@ -164,8 +165,10 @@ class FullyShardedDataParallel(FSDPUnit):
         ]
         self._fsdp_wrapped_module = module
         if not use_orig_params:
+            # On the module inside an activation-checkpoint wrapper the unit was built around, as torch does (its
+            # `module`): the wrapper's load hook moves every key below it into that module.
             for handle in self._handles:
-                module.register_parameter(handle.flat_name, handle.flat_param)
+                self.module.register_parameter(handle.flat_name, handle.flat_param)
         _state_dict.init_unit(self)
         _state_dict_loading.register_load_hooks(self)
 
@@ -274,6 +277,11 @@ class FullyShardedDataParallel(FSDPUnit):
                 "helpers from fsdp_legacy.checkpoint."
             )
         raise AttributeError("_fqn_modifiers")  # as torch's FSDP1 has none
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """`.half()`, `.to()`, `.cuda()` ... convert the flat parameters (conversion.py)."""
+        with converting(self, fn):
+            return super()._apply(fn, recurse)
 
     def __getattr__(self, name: str) -> Any:
         try:
