@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .handle import FlatParamHandle
-from .orig_param_grads import _assign_grad
+from .orig_param_grads import assign_grad
 from .unit import FSDPUnit, fsdp_modules
 
 # Units whose flat parameters stand in for their original parameters now (nested units' _apply runs inside).
@@ -86,4 +86,4 @@ def _convert_orig_grads(handle: FlatParamHandle, fn: Callable[[torch.Tensor], to
         with torch.no_grad():
             converted = fn(grad)
         if converted is not grad:
-            _assign_grad(param, converted)
+            assign_grad(param, converted)

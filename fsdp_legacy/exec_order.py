@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives as comm
+from . import collectives as comm
 from .naming import clean_fqn
 from .unit import FSDPUnit
 

@@ -18,10 +18,6 @@ import torch
 from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
 
-from . import optim_state as _optim_state
-from . import optim_state_legacy as _optim_state_legacy
-from . import state_dict as _state_dict
-from . import state_dict_loading as _state_dict_loading
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .clip_grad import clip_grad_norm_
 from .construction import (
@@ -35,6 +31,10 @@ from .conversion import converting
 from .flat_param import FlatParameter, ParamRef, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
 from .runtime import Runtime
+from .state import optim_state as _optim_state
+from .state import optim_state_legacy as _optim_state_legacy
+from .state import state_dict as _state_dict
+from .state import state_dict_loading as _state_dict_loading
 from .summon import summon_full_params
 from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, TrainingState, fsdp_modules
 from .unit_plan import plan_unit

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _collectives as comm
+from . import collectives as comm
 from .api import FSDPEnum
 from .flat_param import (
     FlatParameter,
@@ -38,7 +38,7 @@ from .flat_param import (
     flatten,
 )
 from .naming import FLAT_PARAM
-from .orig_param_grads import OrigParamGrads, _assign_grad
+from .orig_param_grads import OrigParamGrads, assign_grad
 from .orig_param_views import OrigParamViews
 from .tensor_parallel import DTensorParam, local_tensor
 
@@ -488,11 +488,11 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
         flat = self.unsynced_grad
         assert flat is not None, "called only while no_sync() accumulates"
         if not self.use_orig_params:
-            _assign_grad(self.flat_param, flat[: self.layout.numel])
+            assign_grad(self.flat_param, flat[: self.layout.numel])
             return
         for info, param in self.orig_params.items():
             if param.requires_grad:
-                _assign_grad(param, flat[info.offset : info.offset + info.numel].view(info.shape))
+                assign_grad(param, flat[info.offset : info.offset + info.numel].view(info.shape))
         self._orig_grad_views = {}
 
     def reduce_grad(self, grad: torch.Tensor | None) -> PendingReduction | None:
@@ -548,11 +548,11 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
         if not self.backward_prepared:  # backward never reached the unit: a zero_grad() after forward still counts
             self.sync_grad_from_orig_params()
         if self.saved_grad is not None and self.unsynced_grad is None:
-            _assign_grad(self.flat_param, self.saved_grad)
+            assign_grad(self.flat_param, self.saved_grad)
             self.saved_grad = None
         if self.new_grad is not None:
             if self.flat_param.grad is None:
-                _assign_grad(self.flat_param, self.new_grad)
+                assign_grad(self.flat_param, self.new_grad)
             else:
                 self.flat_param.grad.add_(self.new_grad)
             self.new_grad = None

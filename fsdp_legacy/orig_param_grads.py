@@ -63,7 +63,7 @@ class OrigParamGrads:
     def _use_orig_grad_views(self) -> None:
         if self.grads_on_orig_params:
             for info, param in self.orig_params.items():
-                _assign_grad(param, self._compact_views.get(info) if param.requires_grad else None)
+                assign_grad(param, self._compact_views.get(info) if param.requires_grad else None)
             return
         flat_grad = self.flat_param.grad
         self._orig_grad_views = {}
@@ -72,7 +72,7 @@ class OrigParamGrads:
             view = self._local_view(flat_grad, info) if flat_grad is not None and has_data else None
             if view is not None and not param.requires_grad:
                 view = None
-            _assign_grad(param, view)
+            assign_grad(param, view)
             if view is not None:
                 self._orig_grad_views[info] = view
 
@@ -137,7 +137,7 @@ class OrigParamGrads:
         return flat
 
 
-def _assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+def assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Set a gradient whose shape or dtype differs from the parameter's current data, as torch FSDP1 does under
     no_sync() (unsharded gradients on sharded parameters) and with keep_low_precision_grads: `.grad` assignment
     checks both against `.data`, so the data is swapped for a one-element stand-in (an expanded view) meanwhile."""

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _collectives as comm
+from . import collectives as comm
 from .handle import FlatParamHandle, HandleTrainingState
 from .unit import FSDPUnit, TrainingState
 

@@ -19,7 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 import fsdp_legacy
 import models
-from fsdp_legacy import state_dict as our_state_dict
+from fsdp_legacy.state import state_dict as our_state_dict
 from fsdp_utils import MODELS, Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of, optimizer
 from harness import run_on_ranks
 from test_optim_state import osd

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 import fsdp_legacy
-from fsdp_legacy import dcp_checkpoint
 from fsdp_legacy.cli import main
 from fsdp_legacy.convert import convert_checkpoint
+from fsdp_legacy.state import dcp_checkpoint
 from fsdp_utils import Config, build_ours
 from harness import run_on_ranks
 from test_optim_state import adam, model_sd, osd, train

@@ -21,11 +21,11 @@ import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 import fsdp_legacy
-from fsdp_legacy import dcp_checkpoint
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint, open_checkpoint
 from fsdp_legacy.convert.checkpoint import Checkpoint, Path
 from fsdp_legacy.convert.dcp_files import write_dcp
 from fsdp_legacy.convert.torch_file import write_torch_file
+from fsdp_legacy.state import dcp_checkpoint
 from fsdp_utils import MODELS, Config, build_ours, build_torch_fsdp
 from harness import run_on_ranks
 from test_optim_state import adam, load_into_fsdp2, load_model, model_sd, osd, to_load, train

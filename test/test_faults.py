@@ -30,11 +30,11 @@ from safetensors.torch import save_file
 
 import harness
 import models
-from fsdp_legacy import hf_checkpoint, safetensors_io
 from fsdp_legacy.checkpoint import load_full_model, save_full_model
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint
 from fsdp_legacy.convert import atomic as atomic_module
 from fsdp_legacy.handle import FlatParamHandle
+from fsdp_legacy.state import hf_checkpoint, safetensors_io
 from fsdp_utils import Config, build_ours, full_params
 from harness import RankError, run_on_ranks
 from test_checkpoint_safety import _save_rank_files

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 import fsdp_legacy
 from fsdp_legacy import FullyShardedDataParallel as FSDP
-from fsdp_legacy import hf_checkpoint
 from fsdp_legacy.checkpoint import load_full_model, save_full_model
+from fsdp_legacy.state import hf_checkpoint
 from fsdp_utils import Config, build_ours, build_torch_fsdp, full_params, train
 from harness import run_on_ranks
 
@@ -362,11 +362,11 @@ def test_failure_mid_write_leaves_previous_directory(tmp_path) -> None:
 
 
 def test_max_shard_size_parsing() -> None:
-    assert hf_checkpoint._parse_size("5GB") == 5 * 10**9
-    assert hf_checkpoint._parse_size("2GiB") == 2 * 2**30
-    assert hf_checkpoint._parse_size(1234) == 1234
+    assert hf_checkpoint.parse_size("5GB") == 5 * 10**9
+    assert hf_checkpoint.parse_size("2GiB") == 2 * 2**30
+    assert hf_checkpoint.parse_size(1234) == 1234
     with pytest.raises(ValueError, match="max_shard_size"):
-        hf_checkpoint._parse_size("lots")
+        hf_checkpoint.parse_size("lots")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -21,12 +21,12 @@ import torch.distributed.fsdp as torch_fsdp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import fsdp_legacy
-from fsdp_legacy import dcp_checkpoint
 from fsdp_legacy.cli.inspect_checkpoint import describe
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint
 from fsdp_legacy.convert.loading import load_rank_file
 from fsdp_legacy.convert.record import METADATA_KEY, records_in_metadata
 from fsdp_legacy.convert.side_file import SIDE_FILE
+from fsdp_legacy.state import dcp_checkpoint
 from fsdp_utils import Config, build_ours, build_torch_fsdp
 from harness import run_on_ranks
 from test_convert import assert_same

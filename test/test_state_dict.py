@@ -26,8 +26,8 @@ import fsdp_legacy
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType
-from fsdp_legacy import state_dict as our_state_dict
 from fsdp_legacy.convert.record import records_in_metadata
+from fsdp_legacy.state import state_dict as our_state_dict
 from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, full_params, loss_of, train
 from harness import run_on_ranks
 

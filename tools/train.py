@@ -229,8 +229,9 @@ def migrate_to_fsdp2(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fsdp_legacy import FullyShardedDataParallel as FSDP
-    from fsdp_legacy import StateDictType, dcp_checkpoint
+    from fsdp_legacy import StateDictType
     from fsdp_legacy.convert import convert_checkpoint
+    from fsdp_legacy.state import dcp_checkpoint
 
     rank = dist.get_rank()
     local_dir = os.path.join(args.checkpoint_dir, "local")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..safetensors_io import mixed_saves
+from ..state.safetensors_io import mixed_saves
 from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, flatten
 from .errors import CheckpointError
 from .integrity import check_archive

@@ -8,7 +8,7 @@ world size), the tied parameters stored once and, where known, the save's identi
 Where it travels (the state dict's keys stay exactly torch's):
 * in the state dict's `_metadata` (the per-module dict nn.Module.state_dict keeps beside the keys), as a list of JSON
   strings under METADATA_KEY in the unit's entry: torch.save keeps it and torch.load(weights_only=True) restores it;
-* in a DCP directory saved through fsdp_legacy (fsdp_legacy.dcp_checkpoint, the converter), in its side file
+* in a DCP directory saved through fsdp_legacy (fsdp_legacy.state.dcp_checkpoint, the converter), in its side file
   (side_file.py), since DCP drops `_metadata`;
 * in checkpoints of earlier versions, and with the opt-in FSDP_LEGACY_LAYOUT_KEYS=1, as `<prefix>_flat_param_meta`:
   the JSON in a 1-D uint8 tensor beside the flat parameter (without a save identity, so its size never changes).

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..safetensors_io import (
+from ..state.safetensors_io import (
     DTYPES,
     SAFE_INDEX,
     SAFE_WEIGHTS,

@@ -1,5 +1,5 @@
-"""The side file of a DCP directory saved through fsdp_legacy (fsdp_legacy.dcp_checkpoint, the converter): what DCP
-itself does not keep.
+"""The side file of a DCP directory saved through fsdp_legacy (fsdp_legacy.state.dcp_checkpoint, the converter): what
+DCP itself does not keep.
 
     <directory>/.fsdp_legacy.json   {"format", "version", "save_id", "records": {section: [record JSON]},
                                      "files": {name: CRC-32 of the whole file}}

@@ -90,7 +90,7 @@ def accelerate_layout(out: Path, name: str, state_dict_type: str, use_orig_param
 def our_layout(out: Path) -> None:
     """fsdp_legacy's LOCAL checkpoint of Net wrapped as the plugin wraps it: its layout records."""
     import fsdp_legacy
-    from fsdp_legacy import dcp_checkpoint
+    from fsdp_legacy.state import dcp_checkpoint
 
     model = fsdp_legacy.FullyShardedDataParallel(Net(), auto_wrap_policy=fsdp_legacy.wrap.ModuleWrapPolicy({Block}))
     with fsdp_legacy.FullyShardedDataParallel.state_dict_type(model, fsdp_legacy.StateDictType.LOCAL_STATE_DICT):

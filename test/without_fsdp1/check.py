@@ -84,7 +84,7 @@ def main() -> None:
     legacy = FSDP.full_optim_state_dict(model, optimizer)  # (rank 0 only, by default)
     found["legacy_full_optim_state_dict"] = sorted(legacy["state"]) if dist.get_rank() == 0 else None
 
-    from fsdp_legacy import dcp_checkpoint  # dcp.save + the side file the converter reads LOCAL layouts from
+    from fsdp_legacy.state import dcp_checkpoint  # dcp.save + the side file the converter reads LOCAL layouts from
 
     for kind in ("SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
         path = str(args.dir / kind)

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives as comm
-from .api import (
+from .. import collectives as comm
+from ..api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -36,15 +36,15 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from .convert.record import LAYOUT_KEYS_ENV, METADATA_KEY, RECORD_SUFFIX, FlatParamRecord
-from .flat_param import ParamInfo
-from .handle import FlatParamHandle
-from .naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
+from ..convert.record import LAYOUT_KEYS_ENV, METADATA_KEY, RECORD_SUFFIX, FlatParamRecord
+from ..flat_param import ParamInfo
+from ..handle import FlatParamHandle
+from ..naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
+from ..unit import FSDPUnit, clean_fqn, fsdp_modules
 from .save_identity import note_load
 from .save_identity import save_id as next_save_id
 from .sharded_tensor_compat import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata, TensorProperties
 from .state_dict_dtensor import check_model_settings, check_optim_settings, chunk_dtensor, uses_dtensor
-from .unit import FSDPUnit, clean_fqn, fsdp_modules
 
 _CONFIG_TYPES = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -160,7 +160,7 @@ def _config(expected: type, config: Any, what: str) -> Any:
     return config
 
 
-def _effective(unit: FSDPUnit) -> tuple[StateDictType, StateDictConfig]:
+def effective_settings(unit: FSDPUnit) -> tuple[StateDictType, StateDictConfig]:
     """The type and config a unit uses now: NO_SHARD units always use a default FULL_STATE_DICT, as torch does."""
     if unit.sharding_strategy == ShardingStrategy.NO_SHARD:
         warnings.warn(_NO_SHARD_WARNING, stacklevel=3)
@@ -175,7 +175,7 @@ def _effective(unit: FSDPUnit) -> tuple[StateDictType, StateDictConfig]:
 
 @torch.no_grad()
 def _post_state_dict_hook(unit: FSDPUnit, destination: dict, prefix: str, local_metadata: Any) -> None:
-    kind, config = _effective(unit)
+    kind, config = effective_settings(unit)
     # The unit's entries are the last ones saved (its whole subtree); take them out and put them back rewritten.
     entries = {_relative(key, prefix): destination.pop(key) for key in [k for k in destination if k.startswith(prefix)]}
     own_buffers = _own_buffer_keys(unit)
@@ -211,7 +211,7 @@ def _add_layout_records(unit: FSDPUnit, prefix: str, local_metadata: Any, entrie
     save_id = next_save_id(unit.process_group)
     records = {
         handle.flat_name: dataclasses.replace(
-            FlatParamRecord.from_layout(handle.layout, _clean(prefix), handle.local_shard.dtype, handle.flat_name),
+            FlatParamRecord.from_layout(handle.layout, clean_key(prefix), handle.local_shard.dtype, handle.flat_name),
             save_id=save_id,
         )
         for handle in unit._handles
@@ -232,7 +232,7 @@ def _relative(key: str, prefix: str) -> str:
     return clean_fqn(key[len(prefix) :])
 
 
-def _clean(key: str) -> str:
+def clean_key(key: str) -> str:
     return clean_fqn(key)
 
 
@@ -264,7 +264,7 @@ def _own_buffer_keys(unit: FSDPUnit) -> set[str]:
     }
 
 
-def _managed_keys(handle: FlatParamHandle) -> Iterator[tuple[str, nn.Module, str, ParamInfo]]:
+def managed_keys(handle: FlatParamHandle) -> Iterator[tuple[str, nn.Module, str, ParamInfo]]:
     """(key relative to the wrapped module, owning module, attribute name, the stored parameter) of every reference
     to a managed parameter, tied ones too."""
     for info in handle.layout.params:
@@ -295,21 +295,21 @@ def _unsharded_values(
     Ranks that keep nothing (rank0_only) still take part in the gather and get None values."""
     values: dict[str, Any] = {}
     with _gathered(handle) as full:
-        for key, _, _, info in _managed_keys(handle):
+        for key, _, _, info in managed_keys(handle):
             if not keep:
                 values[key] = None
                 continue
             param = full[info.offset : info.offset + info.numel].view(info.shape)
             if kind == StateDictType.FULL_STATE_DICT:  # what nn.Module saves: the parameter's detach()
-                values[key] = _copy(handle.typed(param, info).detach(), config.offload_to_cpu)
+                values[key] = detached_copy(handle.typed(param, info).detach(), config.offload_to_cpu)
             elif uses_dtensor(unit, config):
                 values[key] = chunk_dtensor(param, unit, config.offload_to_cpu, handle.dtensors.get(info))
             else:
-                values[key] = _chunk_sharded_tensor(param, handle, config.offload_to_cpu)
+                values[key] = chunk_sharded_tensor(param, handle, config.offload_to_cpu)
     return values
 
 
-def _copy(tensor: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
+def detached_copy(tensor: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
     # Straight to the CPU when offloading from an accelerator (no second copy on the device); a clone otherwise, so the
     # value never aliases memory FSDP reuses (torch's CPU offload returns views of a freed buffer on CPU).
     if offload_to_cpu and tensor.device.type != "cpu":
@@ -382,7 +382,7 @@ def _sharded_tensor(
     )
 
 
-def _chunk_sharded_tensor(param: torch.Tensor, handle: FlatParamHandle, offload_to_cpu: bool) -> ShardedTensor:
+def chunk_sharded_tensor(param: torch.Tensor, handle: FlatParamHandle, offload_to_cpu: bool) -> ShardedTensor:
     """torch FSDP1's SHARDED layout: `param.chunk(world_size)` along dim 0, chunk r on rank r; ranks past the
     number of chunks hold nothing and have no metadata entry."""
     chunks = param.chunk(handle.world_size)
@@ -390,11 +390,11 @@ def _chunk_sharded_tensor(param: torch.Tensor, handle: FlatParamHandle, offload_
     for r, chunk in enumerate(chunks):
         geometry.append((r, [offset] + [0] * (param.dim() - 1), list(chunk.shape)))
         offset += chunk.shape[0]
-    local = _copy(chunks[handle.rank], offload_to_cpu) if handle.rank < len(chunks) else None
+    local = detached_copy(chunks[handle.rank], offload_to_cpu) if handle.rank < len(chunks) else None
     return _sharded_tensor(handle, param.shape, param.dtype, local, geometry)
 
 
-def _local_geometry(handle: FlatParamHandle) -> tuple[int, int, int]:
+def local_geometry(handle: FlatParamHandle) -> tuple[int, int, int]:
     """(flat numel without world padding, shard numel, this rank's unpadded shard numel) of a LOCAL_STATE_DICT."""
     layout = handle.layout
     valid = min(layout.shard_numel, max(0, layout.numel - handle.rank * layout.shard_numel))
@@ -404,7 +404,7 @@ def _local_geometry(handle: FlatParamHandle) -> tuple[int, int, int]:
 def _local_flat_tensor(handle: FlatParamHandle, offload_to_cpu: bool) -> ShardedTensor:
     """LOCAL_STATE_DICT: the local shard (a view, no copy) in a ShardedTensor over the flat parameter without its
     world padding (with use_orig_params its alignment padding stays), so it only loads at the same world size."""
-    numel, shard_numel, valid = _local_geometry(handle)
+    numel, shard_numel, valid = local_geometry(handle)
     geometry = [
         (r, [r * shard_numel], [min(shard_numel, numel - r * shard_numel)])
         for r in range(handle.world_size)

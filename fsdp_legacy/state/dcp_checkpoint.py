@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .convert.dcp_files import (
+from ..convert.dcp_files import (
     METADATA_FILE,
     check_side_file,
     check_stamps,
@@ -32,9 +32,9 @@ from .convert.dcp_files import (
     save_id_of,
     stamp_file,
 )
-from .convert.errors import CheckpointError
-from .convert.record import FlatParamRecord, records_in_metadata
-from .convert.side_file import SIDE_FILE, check_files, file_crc, read_side_file, write_side_file
+from ..convert.errors import CheckpointError
+from ..convert.record import FlatParamRecord, records_in_metadata
+from ..convert.side_file import SIDE_FILE, check_files, file_crc, read_side_file, write_side_file
 
 
 def save(state: dict[str, Any], checkpoint_id: str, *, process_group: dist.ProcessGroup | None = None) -> Metadata:

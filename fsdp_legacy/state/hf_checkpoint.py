@@ -33,11 +33,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .convert import errors
-from .convert.atomic import atomic_directory
-from .flat_param import FlatParameter, ParamInfo
-from .handle import FlatParamHandle
-from .naming import join_fqn
+from ..convert import errors
+from ..convert.atomic import atomic_directory
+from ..flat_param import FlatParameter, ParamInfo
+from ..handle import FlatParamHandle
+from ..naming import join_fqn
+from ..unit import FSDPUnit
 from .safetensors_io import (
     BIN_INDEX,
     BIN_WEIGHTS,
@@ -48,12 +49,11 @@ from .safetensors_io import (
     SafetensorsWriter,
     WeightsDirectory,
     new_save_id,
+    parse_size,
     plan_shards,
     shard_names,
     write_index,
 )
-from .safetensors_io import parse_size as _parse_size
-from .unit import FSDPUnit
 
 __all__ = ["load_full_model", "save_full_model"]
 
@@ -376,7 +376,7 @@ def save_full_model(
             unstorable = [f"{e.key} ({out(e)})" for e in entries if safe_serialization and out(e) not in DTYPES]
             if unstorable:
                 raise ValueError(f"safetensors cannot store {', '.join(unstorable)}: pass safe_serialization=False")
-            shards = _plan(entries, _parse_size(max_shard_size), out)
+            shards = _plan(entries, parse_size(max_shard_size), out)
             names = shard_names(len(shards), SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS)
             if writer:
                 tmp = stack.enter_context(atomic_directory(directory))

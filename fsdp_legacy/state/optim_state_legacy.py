@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import FullOptimStateDictConfig, ShardedOptimStateDictConfig, StateDictType
-from .flat_param import FlatParameter
-from .optim_state import _ParamOrder, _save, _to_load
-from .state_dict import _clean
+from ..api import FullOptimStateDictConfig, ShardedOptimStateDictConfig, StateDictType
+from ..flat_param import FlatParameter
+from .optim_state import ParamOrder, optim_state_to_load, save_optim_state
+from .state_dict import clean_key
 
 _OPTIM_INPUT_WARNING = (
     "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. You may remove it from your "
@@ -44,14 +44,14 @@ def full_optim_state_dict(
     _deprecated("full_optim_state_dict", "optim_state_dict")
     _check_optim_input(optim_input)
     config = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only)
-    return _save(model, optim, None, StateDictType.FULL_STATE_DICT, config, group)
+    return save_optim_state(model, optim, None, StateDictType.FULL_STATE_DICT, config, group)
 
 
 def sharded_optim_state_dict(
     model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
     _deprecated("sharded_optim_state_dict", "optim_state_dict")
-    return _save(model, optim, None, StateDictType.SHARDED_STATE_DICT, ShardedOptimStateDictConfig(), group)
+    return save_optim_state(model, optim, None, StateDictType.SHARDED_STATE_DICT, ShardedOptimStateDictConfig(), group)
 
 
 def shard_full_optim_state_dict(
@@ -61,14 +61,16 @@ def shard_full_optim_state_dict(
     optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     _deprecated("shard_full_optim_state_dict", "optim_state_dict_to_load")
-    return _to_load(model, _optimizer_or_order(model, optim, optim_input), full_optim_state_dict, broadcast=False)
+    return optim_state_to_load(
+        model, _optimizer_or_order(model, optim, optim_input), full_optim_state_dict, broadcast=False
+    )
 
 
 def flatten_sharded_optim_state_dict(
     sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
 ) -> dict[str, Any]:
     _deprecated("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
-    return _to_load(model, optim, sharded_optim_state_dict, broadcast=False)
+    return optim_state_to_load(model, optim, sharded_optim_state_dict, broadcast=False)
 
 
 def scatter_full_optim_state_dict(
@@ -80,7 +82,7 @@ def scatter_full_optim_state_dict(
 ) -> dict[str, Any]:
     _deprecated("scatter_full_optim_state_dict", "optim_state_dict_to_load")
     order = _optimizer_or_order(model, optim, optim_input)
-    return _to_load(model, order, full_optim_state_dict, broadcast=True, group=group)
+    return optim_state_to_load(model, order, full_optim_state_dict, broadcast=True, group=group)
 
 
 def rekey_optim_state_dict(
@@ -140,7 +142,7 @@ def _clean_names(model: nn.Module) -> dict[nn.Parameter, str]:
                 "(use_orig_params=False): pass the unwrapped model, or use FSDP.optim_state_dict / "
                 "FSDP.optim_state_dict_to_load, which re-key FSDP models themselves."
             )
-        names.setdefault(param, _clean(name))
+        names.setdefault(param, clean_key(name))
     return names
 
 
@@ -162,4 +164,4 @@ def _check_optim_input(optim_input: Any) -> None:
 def _optimizer_or_order(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Any) -> Any:
     """The optimizer, whose parameter order wins as in torch; else the order `optim_input` (or the model) gives."""
     _check_optim_input(optim_input)
-    return optim if optim is not None else _ParamOrder.of(model, optim_input)
+    return optim if optim is not None else ParamOrder.of(model, optim_input)

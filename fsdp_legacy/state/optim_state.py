@@ -21,37 +21,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives as comm
-from .api import (
+from .. import collectives as comm
+from ..api import (
     FullOptimStateDictConfig,
     OptimStateDictConfig,
     StateDictType,
 )
-from .flat_param import ParamInfo
-from .handle import FlatParamHandle
-from .naming import clean_fqn
-from .state_dict import _chunk_sharded_tensor, _clean, _copy, get_state_dict_type
+from ..flat_param import ParamInfo
+from ..handle import FlatParamHandle
+from ..naming import clean_fqn
+from ..tensor_parallel import DTensorParam
+from ..unit import FSDPUnit
+from .state_dict import chunk_sharded_tensor, clean_key, detached_copy, get_state_dict_type
 from .state_dict_dtensor import chunk_dtensor, uses_dtensor
-from .state_dict_loading import _full_tensor, materialize
-from .tensor_parallel import DTensorParam
-from .unit import FSDPUnit
+from .state_dict_loading import gather_full_tensor, materialize
 
 
 class ParamGroups(Protocol):
-    """An optimizer, as far as loading needs one: its parameter groups (`_ParamOrder` stands in for the older API)."""
+    """An optimizer, as far as loading needs one: its parameter groups (`ParamOrder` stands in for the older API)."""
 
     param_groups: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
-class _ParamOrder:
+class ParamOrder:
     """What the older API needs of an optimizer it is not given: the parameters in the order the optimizer was (or
     will be) built with, which numbers them, from `optim_input` (parameters, or param-group dicts) or the model."""
 
     param_groups: list[dict[str, Any]]
 
     @classmethod
-    def of(cls, model: nn.Module, optim_input: Any) -> "_ParamOrder":
+    def of(cls, model: nn.Module, optim_input: Any) -> "ParamOrder":
         if optim_input is None:
             return cls([{"params": list(model.parameters())}])
         try:
@@ -85,7 +85,7 @@ def entries_by_param(model: nn.Module) -> dict[nn.Parameter, _Entry]:
     for name, module in model.named_modules():
         if not isinstance(module, FSDPUnit):
             continue
-        prefix = _clean(f"{name}." if name else "")
+        prefix = clean_key(f"{name}." if name else "")
         for handle in module._handles:
             if handle.use_orig_params:
                 for info, param in handle.orig_params.items():
@@ -94,7 +94,7 @@ def entries_by_param(model: nn.Module) -> dict[nn.Parameter, _Entry]:
                 infos = handle.layout.params
                 by_param[handle.flat_param] = _Entry(tuple(prefix + i.fqn for i in infos), infos, module, handle)
     for name, param in model.named_parameters():  # ignored parameters, or ones outside every unit
-        by_param.setdefault(param, _Entry((_clean(name),), ()))
+        by_param.setdefault(param, _Entry((clean_key(name),), ()))
     return by_param
 
 
@@ -176,11 +176,13 @@ def optim_state_dict(
     settings = get_state_dict_type(model)
     if settings is None:
         raise ValueError("optim_state_dict needs a model with at least one FullyShardedDataParallel unit.")
-    return _save(model, optim, optim_state_dict, settings.state_dict_type, settings.optim_state_dict_config, group)
+    return save_optim_state(
+        model, optim, optim_state_dict, settings.state_dict_type, settings.optim_state_dict_config, group
+    )
 
 
 @torch.no_grad()
-def _save(
+def save_optim_state(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     osd: dict[str, Any] | None,
@@ -200,7 +202,7 @@ def _save(
     for key, (_, entry) in enumerate(entries):
         if entry.handle is None and keep:
             values[entry.fqns[0]] = {
-                n: _copy_scalar(v) if _is_scalar(v) else _copy(v, config.offload_to_cpu)
+                n: _copy_scalar(v) if _is_scalar(v) else detached_copy(v, config.offload_to_cpu)
                 for n, v in osd["state"].get(key, {}).items()
             }
     # Units gather in the model's order, the same on every rank whatever order each rank's optimizer has.
@@ -355,11 +357,11 @@ def _save_value(
         return _copy_scalar(value)
     # NO_SHARD with use_orig_params keeps full tensors under SHARDED/LOCAL too, as torch does (not without).
     if full or (not handle.sharded and handle.use_orig_params):
-        copy = _copy(value, config.offload_to_cpu)  # never a view of the gather buffer (torch's CPU bug)
+        copy = detached_copy(value, config.offload_to_cpu)  # never a view of the gather buffer (torch's CPU bug)
         return record.wrap(copy) if record is not None else copy
     if uses_dtensor(unit, config):
         return chunk_dtensor(value, unit, config.offload_to_cpu, record)
-    return _chunk_sharded_tensor(value, handle, config.offload_to_cpu)
+    return chunk_sharded_tensor(value, handle, config.offload_to_cpu)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -387,14 +389,14 @@ def optim_state_dict_to_load(
         raise ValueError("optim_state_dict_to_load needs a model with at least one FullyShardedDataParallel unit.")
     config = settings.optim_state_dict_config
     rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
-    result = _to_load(model, optim, optim_state_dict, broadcast=rank0_only, group=group)
+    result = optim_state_to_load(model, optim, optim_state_dict, broadcast=rank0_only, group=group)
     if load_directly:
         optim.load_state_dict(result)
     return result
 
 
 @torch.no_grad()
-def _to_load(
+def optim_state_to_load(
     model: nn.Module, optim: ParamGroups, osd: Any, broadcast: bool, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
     if broadcast and dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -414,7 +416,7 @@ def _to_load(
         # Every rank reassembles every value (ShardedTensors need all ranks), then keeps what it holds.
         fulls = [
             {
-                n: _full_tensor(v, value_group) if not _is_scalar(v) else v
+                n: gather_full_tensor(v, value_group) if not _is_scalar(v) else v
                 for n, v in ((n, materialize(v)) for n, v in saved.get(fqn, {}).items())
             }
             for fqn in entry.fqns
@@ -542,7 +544,7 @@ def _piece_local(handle: FlatParamHandle, info: ParamInfo, values: dict[str, Any
 def _param_groups(optim: ParamGroups, entries: list[tuple[int, _Entry]], saved: list[dict]) -> list[dict]:
     """The optimizer's groups with the saved hyperparameters of the group that holds the same FQNs; without an
     optimizer (the older API given optim_input), the saved groups, renumbered with the ids of this rank's order."""
-    if isinstance(optim, _ParamOrder):
+    if isinstance(optim, ParamOrder):
         id_of = {fqn: key for key, (_, entry) in enumerate(entries) for fqn in entry.fqns}
         return [
             {

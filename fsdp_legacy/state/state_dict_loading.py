@@ -13,14 +13,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .api import StateDictType
-from .convert.errors import CheckpointError
-from .convert.record import METADATA_KEY, RECORD_SUFFIX, FlatParamRecord
-from .flat_param import ParamInfo
-from .handle import FlatParamHandle
+from ..api import StateDictType
+from ..convert.errors import CheckpointError
+from ..convert.record import METADATA_KEY, RECORD_SUFFIX, FlatParamRecord
+from ..flat_param import ParamInfo
+from ..handle import FlatParamHandle
+from ..unit import FLAT_PARAM, FSDP_PREFIX, FSDPUnit
 from .sharded_tensor_compat import ShardedTensor
-from .state_dict import _clean, _effective, _local_geometry, _managed_keys
-from .unit import FLAT_PARAM, FSDP_PREFIX, FSDPUnit
+from .state_dict import clean_key, effective_settings, local_geometry, managed_keys
 
 
 def register_load_hooks(unit: FSDPUnit) -> None:
@@ -63,7 +63,7 @@ def _pre_load_state_dict_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    kind, _ = _effective(unit)
+    kind, _ = effective_settings(unit)
     wrapped = prefix + FSDP_PREFIX
     for key in [k for k in state_dict if k.startswith(prefix)]:  # checkpoint names -> this unit's module names
         state_dict[wrapped + key[len(prefix) :]] = state_dict.pop(key)
@@ -110,19 +110,19 @@ def _load_handle(
     flat_value = materialize(state_dict.pop(flat_key, None))
     local = kind == StateDictType.LOCAL_STATE_DICT
     record = state_dict.pop(flat_key + RECORD_SUFFIX, None) if local else None  # absent in torch's LOCAL dicts
-    refs = [(wrapped + relative, module, name, info) for relative, module, name, info in _managed_keys(handle)]
+    refs = [(wrapped + relative, module, name, info) for relative, module, name, info in managed_keys(handle)]
     values = {key: materialize(state_dict.pop(key)) for key, *_ in refs if key in state_dict}
     registered = {key: module._parameters.get(name) for key, module, name, _ in refs}
     # A LOCAL_STATE_DICT names parameters only as use_orig_params' 1-D local views (beside _flat_param).
     by_name = [key for key, value in values.items() if not _same_shape(value, registered[key])]
     if (flat_value is not None and not local) or (local and by_name):
-        error_msgs.append(_wrong_type_message(kind, _clean(flat_key if flat_value is not None else by_name[0])))
+        error_msgs.append(_wrong_type_message(kind, clean_key(flat_key if flat_value is not None else by_name[0])))
         values = {}
     elif local:
         if flat_value is None:
             missing_keys.append(flat_key)
         else:
-            _load_local(handle, _clean(flat_key), flat_value, record, error_msgs)
+            _load_local(handle, clean_key(flat_key), flat_value, record, error_msgs)
     else:
         _load_by_name(handle, [(key, info) for key, _, _, info in refs], values, missing_keys, error_msgs)
     # nn.Module then checks the tensors registered on the unit's modules (the flat parameter, or with use_orig_params
@@ -178,10 +178,10 @@ def _load_by_name(
             continue
         record = handle.dtensors.get(info)  # a DTensor parameter is saved whole (global shape), stored as its piece
         if not _check(
-            _clean(key), values[key], record.shape if record else info.shape, handle.local_shard.dtype, error_msgs
+            clean_key(key), values[key], record.shape if record else info.shape, handle.local_shard.dtype, error_msgs
         ):
             continue
-        full = _full_tensor(values[key], handle.group)  # every rank joins, whatever it owns
+        full = gather_full_tensor(values[key], handle.group)  # every rank joins, whatever it owns
         full = (record.local_piece(full) if record else full).reshape(-1)
         if not handle.sharded:
             handle.local_shard[info.offset : info.offset + info.numel].copy_(full)
@@ -222,7 +222,7 @@ def _check(key: str, value: Any, shape: torch.Size, dtype: torch.dtype, error_ms
     return True
 
 
-def _full_tensor(value: Any, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_full_tensor(value: Any, group: dist.ProcessGroup) -> torch.Tensor:
     """The whole tensor behind a state-dict value: plain tensors as they are, DTensors gathered, ShardedTensors
     reassembled from every rank's shards (any non-overlapping layout: each rank writes its shards into zeros, then a
     sum all-reduce, which is exact since every element has one non-zero contributor)."""
@@ -231,7 +231,7 @@ def _full_tensor(value: Any, group: dist.ProcessGroup) -> torch.Tensor:
     if not isinstance(value, ShardedTensor):
         return value
     metadata = value.metadata()
-    full = torch.zeros(metadata.size, dtype=metadata.tensor_properties.dtype, device=_collective_device(group))
+    full = torch.zeros(metadata.size, dtype=metadata.tensor_properties.dtype, device=collective_device(group))
     for shard in value.local_shards():
         region = tuple(
             slice(o, o + s) for o, s in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True)
@@ -241,7 +241,7 @@ def _full_tensor(value: Any, group: dist.ProcessGroup) -> torch.Tensor:
     return full
 
 
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
+def collective_device(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -259,7 +259,7 @@ def _load_local(handle: FlatParamHandle, key: str, value: Any, record: Any, erro
         return
     if record is not None and not _check_record(handle, key, record, error_msgs):
         return
-    numel, shard_numel, valid = _local_geometry(handle)
+    numel, shard_numel, valid = local_geometry(handle)
     metadata = value.metadata()
     saved_numel = torch.Size(metadata.size).numel()
     saved_shard_numel = max((m.shard_sizes[0] for m in metadata.shards_metadata), default=0)
@@ -332,4 +332,4 @@ def _summary(record: FlatParamRecord) -> str:
 def _post_load_state_dict_hook(unit: FSDPUnit, incompatible_keys: Any) -> None:
     """Report keys by their checkpoint names, without `_fsdp_wrapped_module.`."""
     for keys in incompatible_keys:
-        keys[:] = [_clean(key) for key in keys]
+        keys[:] = [clean_key(key) for key in keys]

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ..api import StateDictSettings, StateDictType
+from ..tensor_parallel import DTensorParam, sharded_dtensor
+from ..unit import FSDPUnit
 from . import sharded_tensor_compat
-from .api import StateDictSettings, StateDictType
-from .tensor_parallel import DTensorParam, sharded_dtensor
-from .unit import FSDPUnit
 
 _LOCAL_WITH_MESH = (  # torch's message, word for word
     "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with LOCAL_STATE_DICT. "

@@ -1,0 +1,17 @@
+"""State dicts and checkpoints: what a model and its optimizer save and load, and the files they go to.
+
+    state_dict.py             model state dict types and settings (FULL, SHARDED, LOCAL), and saving them
+    state_dict_loading.py     loading a model state dict of any type (load_state_dict's hooks)
+    state_dict_dtensor.py     SHARDED values as DTensors (a device mesh, or a torch without ShardedTensor)
+    sharded_tensor_compat.py  torch's ShardedTensor while torch has it
+    optim_state.py            optimizer state dicts (optim_state_dict, optim_state_dict_to_load)
+    optim_state_legacy.py     torch's older optimizer-state API (full_optim_state_dict, scatter_..., rekey_...)
+    checkpoint.py             torch's DSD helpers (get_/set_state_dict, ...) for our models: fsdp_legacy.checkpoint
+    dcp_checkpoint.py         dcp.save / dcp.load plus layout records, save identity and CRC-32s
+    save_identity.py          the identity that tells per-rank files of two saves apart
+    hf_checkpoint.py          streamed full-model save/load as Hugging Face safetensors shards
+    safetensors_io.py         the safetensors file format: validated headers, atomic shard writes
+
+Every module here works on units (unit.py) and their handles (handle.py); fully_sharded_data_parallel.py assembles
+the public methods from them. The offline converter (convert/) reads the same files without any model code.
+"""
