@@ -214,15 +214,19 @@ def test_per_rank_files_carry_the_records_in_metadata(tmp_path) -> None:
 
 def _two_saves(config: Config, directory: str, extra_calls: int) -> dict:
     """Two saves of per-rank files with a training step between (first/, second/); rank 0 calls state_dict()
-    `extra_calls` more times than the others before each save (which must not change anything). The FULL state dicts
-    of both."""
+    `extra_calls` more times than the others before each save and steps an optimizer of another model as often
+    (neither may change anything). The FULL state dicts of both."""
     _, model = build_ours(config)
     optim = adam(model)
+    probe = torch.nn.Linear(2, 2)
+    probe_optim = torch.optim.SGD(probe.parameters(), lr=0.1)
     expected = {}
     for name, steps in (("first", range(1)), ("second", range(1, 2))):
         train(model, optim, config, steps)
         for _ in range(extra_calls if dist.get_rank() == 0 else 0):
             model_sd(model, fsdp_legacy, LOCAL)
+            probe(torch.ones(2)).sum().backward()
+            probe_optim.step()
         os.makedirs(os.path.join(directory, name), exist_ok=True)
         torch.save(model_sd(model, fsdp_legacy, LOCAL), os.path.join(directory, name, f"rank{dist.get_rank()}.pt"))
         expected[name] = model_sd(model, fsdp_legacy, FULL)

@@ -17,6 +17,7 @@ import glob
 import os
 import zipfile
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -228,24 +229,25 @@ def assemble(path: Path, saved: list[tuple[str, LocalShards]], location: str) ->
 
 def check_one_save(records: Mapping[str, list[FlatParamRecord]], location: str) -> None:
     """Refuse per-rank files whose layout records (in their state dicts' _metadata) are of different saves or
-    layouts, naming each file and its save. Files without records (torch's FSDP1, earlier versions) pass."""
-    ids = {file: {r.save_id for r in found} for file, found in records.items()}
-    for file, found in ids.items():
-        if len(found) > 1:
+    layouts, naming each file and its save. Each unit's records carry that unit's identity (save_identity.py), so the
+    files are compared unit by unit. Files without records (torch's FSDP1, earlier versions) pass."""
+    units = sorted({r.flat_key for found in records.values() for r in found})
+    for flat_key in units:
+        by_file = {
+            file: next((r.save_id for r in found if r.flat_key == flat_key), None) for file, found in records.items()
+        }
+        if not any(by_file.values()):
+            continue
+        mixed = mixed_saves(by_file, location)
+        if mixed:
             raise CheckpointError(
-                f"{file} holds layout records of different saves ({', '.join(sorted(map(str, found)))}): it was "
-                "assembled from several state dicts. Save it again."
+                mixed.replace("Restore the whole directory from one save.", "Pass every rank's file of one save.")
             )
-    by_file = {file: next(iter(found)) for file, found in ids.items() if found}
-    if not by_file:
-        return
-    by_file.update((file, None) for file in ids if file not in by_file)
-    mixed = mixed_saves(by_file, location)
-    if mixed:
-        raise CheckpointError(
-            mixed.replace("Restore the whole directory from one save.", "Pass every rank's file of one save.")
-        )
-    layouts = {file: sorted(found, key=lambda r: r.flat_key) for file, found in records.items()}
+    without_ids = {
+        file: sorted((replace(r, save_id=None) for r in found), key=lambda r: r.flat_key)
+        for file, found in records.items()
+    }
+    layouts = without_ids
     first = next(iter(layouts))
     for file, layout in layouts.items():
         if layout != layouts[first]:

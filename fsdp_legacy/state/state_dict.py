@@ -13,8 +13,10 @@ Every unit registers nn.Module state-dict hooks, so `model.state_dict()` / `mode
 
 import contextlib
 import dataclasses
+import functools
 import os
 import warnings
+import weakref
 from collections.abc import Iterator
 from enum import Enum
 from typing import Any
@@ -41,8 +43,7 @@ from ..flat_param import ParamInfo
 from ..handle import FlatParamHandle
 from ..naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
 from ..unit import FSDPUnit, clean_fqn, fsdp_modules
-from .save_identity import note_load
-from .save_identity import save_id as next_save_id
+from . import save_identity
 from .sharded_tensor_compat import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata, TensorProperties
 from .state_dict_dtensor import check_model_settings, check_optim_settings, chunk_dtensor, uses_dtensor
 
@@ -66,11 +67,17 @@ def init_unit(unit: FSDPUnit) -> None:
     unit._state_dict_config = FullStateDictConfig()
     unit._optim_state_dict_config = FullOptimStateDictConfig()
     unit._register_state_dict_hook(_post_state_dict_hook)
-    unit._register_load_state_dict_pre_hook(_count_load)  # the save identity of later LOCAL saves changes
+    # The save identity of later LOCAL saves changes with every optimizer step and load (save_identity.py).
+    save_identity.track(
+        unit, [p for handle in unit._handles for p in (handle.flat_param, *handle.orig_params.values())]
+    )
+    unit._register_load_state_dict_pre_hook(functools.partial(_count_load, weakref.ref(unit)))
 
 
-def _count_load(*_: Any) -> None:
-    note_load()
+def _count_load(unit_ref: "weakref.ref[FSDPUnit]", *_: Any) -> None:
+    unit = unit_ref()
+    if unit is not None:
+        save_identity.note_load(unit)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -208,7 +215,7 @@ def _add_layout_records(unit: FSDPUnit, prefix: str, local_metadata: Any, entrie
     code, with the save's identity, in the unit's `_metadata` entry (the keys stay torch's: convert/record.py). With
     FSDP_LEGACY_LAYOUT_KEYS=1 also as the `<flat key>_meta` tensors of earlier versions, right after each flat
     parameter (for savers that keep only tensors, such as a plain dcp.save)."""
-    save_id = next_save_id(unit.process_group)
+    save_id = save_identity.save_id(unit, unit.process_group)
     records = {
         handle.flat_name: dataclasses.replace(
             FlatParamRecord.from_layout(handle.layout, clean_key(prefix), handle.local_shard.dtype, handle.flat_name),
