@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 import fsdp_legacy  # noqa: E402
 import fsdp_legacy.wrap  # noqa: E402
 import models  # noqa: E402
-from fsdp_legacy import sharded_tensor_compat  # noqa: E402
+from fsdp_legacy.state import sharded_tensor_compat  # noqa: E402
 
 
 def _max_difference(a: dict, b: dict) -> float:
