@@ -1,8 +1,10 @@
 """Helpers shared by the tests that run on ranks: building models, training steps, and reading full parameters."""
 
+import contextlib
 import copy
+import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,3 +196,13 @@ def train(model: nn.Module, config: Config, step_fn: Callable[[int], None] | Non
             with torch.no_grad():
                 model(batch(config, 99))
     return losses
+
+
+@contextlib.contextmanager
+def layout_keys() -> Iterator[None]:
+    """The opt-in that adds LOCAL layout records as `<flat key>_meta` tensors, the format of earlier versions."""
+    os.environ["FSDP_LEGACY_LAYOUT_KEYS"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["FSDP_LEGACY_LAYOUT_KEYS"]

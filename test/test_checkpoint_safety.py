@@ -7,12 +7,10 @@ layout record run on ranks. (In-memory load errors without a record are covered 
 """
 
 import ast
-import contextlib
 import glob
 import os
 import pickle
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from fsdp_legacy.convert import CheckpointError, FlatParamRecord, ParamRecord, c
 from fsdp_legacy.convert.dcp_files import write_dcp
 from fsdp_legacy.convert.flat import Flattened
 from fsdp_legacy.convert.torch_file import TorchFile
-from fsdp_utils import Config, build_ours, full_params
+from fsdp_utils import Config, build_ours, full_params, layout_keys
 from harness import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -465,16 +463,6 @@ def test_damaged_layout_record_on_disk(tmp_path) -> None:
 
 # --------------------------------------------------------------------------------------------------------------------
 # The record in in-memory LOCAL loads (on ranks)
-
-
-@contextlib.contextmanager
-def layout_keys() -> Iterator[None]:
-    """The opt-in that adds the records as `<flat key>_meta` tensors (the format of earlier versions)."""
-    os.environ["FSDP_LEGACY_LAYOUT_KEYS"] = "1"
-    try:
-        yield
-    finally:
-        del os.environ["FSDP_LEGACY_LAYOUT_KEYS"]
 
 
 def _local(config: Config) -> dict:

@@ -10,7 +10,6 @@ save (which must be refused).
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ from fsdp_legacy.convert.loading import load_rank_file
 from fsdp_legacy.convert.record import METADATA_KEY, records_in_metadata
 from fsdp_legacy.convert.side_file import SIDE_FILE
 from fsdp_legacy.state import dcp_checkpoint
-from fsdp_utils import Config, build_ours, build_torch_fsdp
+from fsdp_utils import Config, build_ours, build_torch_fsdp, layout_keys
 from harness import run_on_ranks
 from test_convert import assert_same
 from test_optim_state import adam, load_model, model_sd, train
@@ -35,16 +34,6 @@ from test_optim_state import adam, load_model, model_sd, train
 FULL, LOCAL = "FULL_STATE_DICT", "LOCAL_STATE_DICT"
 CONFIGS = [Config("transformer", use_orig_params=uop) for uop in (False, True)]
 IDS = ["flat", "uop"]
-
-
-@contextlib.contextmanager
-def layout_keys() -> Iterator[None]:
-    """The opt-in that adds the records as `<flat key>_meta` tensors, the format of earlier versions."""
-    os.environ["FSDP_LEGACY_LAYOUT_KEYS"] = "1"
-    try:
-        yield
-    finally:
-        del os.environ["FSDP_LEGACY_LAYOUT_KEYS"]
 
 
 def _described(state: dict) -> dict:
