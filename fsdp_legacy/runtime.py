@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .api import BackwardPrefetch
 from .exec_order import ExecOrderCheck, enabled
+from .gather_groups import bucket_bytes_from_env, gather_group, unshard_together, upcoming
 from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
 from .unit import FSDPUnit, TrainingState
 
@@ -53,6 +54,8 @@ class Runtime:
         self.frozen_runs: dict[FSDPUnit, int] = {}
         # torch's execution-order checks, at the DETAIL debug level only (else no cost but this None).
         self.exec_order = ExecOrderCheck(root, units) if enabled() else None
+        # Consecutive small units share one all-gather within this many unsharded bytes (gather_groups.py).
+        self.gather_bucket_bytes = bucket_bytes_from_env()
 
     # ----------------------------------------------------------------------------------------------------------------
     # Forward
@@ -77,9 +80,9 @@ class Runtime:
                 handle.training_state = HandleTrainingState.FORWARD
             if unit not in self.forward_order:
                 self.forward_order.append(unit)
-            self._issue_unshard(unit)
+            self._issue_unshard(unit, backward=False)
             if unit.forward_prefetch:
-                self._prefetch(_neighbour(self.previous_forward_order, unit, +1))
+                self._prefetch(_neighbour(self.previous_forward_order, unit, +1), backward=False)
             for handle in unit._handles:
                 handle.wait_unshard()
                 handle.use_unsharded_views()
@@ -161,7 +164,7 @@ class Runtime:
         for handle in handles:
             handle.needs_pre_backward = False
             handle.training_state = HandleTrainingState.BACKWARD_PRE
-        self._issue_unshard(unit)
+        self._issue_unshard(unit, backward=True)
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_for_backward(unit)
         for handle in handles:
@@ -220,24 +223,33 @@ class Runtime:
     # ----------------------------------------------------------------------------------------------------------------
     # All-gather scheduling
 
-    def _prefetch(self, unit: FSDPUnit | None) -> None:
+    def _prefetch(self, unit: FSDPUnit | None, backward: bool) -> None:
         if unit is not None:
-            self._issue_unshard(unit, only_sharded=True)
+            self._issue_unshard(unit, backward, only_sharded=True)
 
     def _prefetch_for_backward(self, current: FSDPUnit) -> None:
         """Start the all-gather of the unit whose backward comes next (the one before `current` in forward order)."""
-        upcoming = _neighbour(self.forward_order, current, -1)
-        if upcoming is not None and any(handle.needs_pre_backward for handle in upcoming._handles):
-            self._prefetch(upcoming)
+        following = _neighbour(self.forward_order, current, -1)
+        if following is not None and any(handle.needs_pre_backward for handle in following._handles):
+            self._prefetch(following, backward=True)
 
-    def _issue_unshard(self, unit: FSDPUnit, only_sharded: bool = False) -> None:
+    def _issue_unshard(self, unit: FSDPUnit, backward: bool, only_sharded: bool = False) -> None:
+        """All-gather the unit's flat parameters; a small one takes the units expected next along in the same
+        collective (gather_groups.py): those that follow in forward order, or precede it in backward."""
         for handle in unit._handles:
             if not handle.needs_unshard or (only_sharded and not handle.sharded):
                 continue
             if self.limit_all_gathers:
                 while len(self.reshard_events) >= MAX_INFLIGHT_RESHARDS:
                     self.reshard_events.popleft().synchronize()
-            handle.unshard()
+            group = [handle]
+            if len(unit._handles) == 1 and self.gather_bucket_bytes > 0:
+                order = self.forward_order if backward else self.previous_forward_order
+                group = gather_group(handle, upcoming(order, unit, backward), self.gather_bucket_bytes)
+            if len(group) > 1:
+                unshard_together(group)
+            else:
+                handle.unshard()
 
     def _reshard(self, handle: FlatParamHandle) -> None:
         handle.reshard()
