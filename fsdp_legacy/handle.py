@@ -293,7 +293,7 @@ class FlatParamHandle(OrigParamGrads):
         self._gather_input = shard
 
     def prepare_unshard(self) -> None:
-        """What precedes any all-gather of this handle (its own, or one shared with other units: gather_groups.py):
+        """What precedes any all-gather of this handle (its own, or one shared with other units: buckets.py):
         user edits of the original parameters reach the shard, and the unsharded storage is allocated."""
         self.writeback_orig_params()
         _alloc(self.full_padded)

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .api import BackwardPrefetch
 from .exec_order import ExecOrderCheck, enabled
-from .gather_groups import bucket_bytes_from_env, gather_group, unshard_together, upcoming
+from .buckets import ReduceBucket, bucket_bytes_from_env, gather_group, unshard_together, upcoming
 from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
 from .unit import FSDPUnit, TrainingState
 
@@ -43,7 +43,8 @@ class Runtime:
         self.forward_order: list[FSDPUnit] = []  # this iteration's first-use order of units with parameters
         self.previous_forward_order: list[FSDPUnit] = []  # the last iteration's, for forward prefetch
         self.iteration_done = True  # the next root forward starts a new iteration
-        self.pending: deque[PendingReduction] = deque()
+        # Issued reductions, oldest first; the units reduced by one collective together are one entry.
+        self.pending: deque[list[PendingReduction]] = deque()
         self.backward_callback_queued = False
         self.compute_device = root.compute_device
         self.limit_all_gathers = root.limit_all_gathers and self.compute_device.type == "cuda"
@@ -54,8 +55,10 @@ class Runtime:
         self.frozen_runs: dict[FSDPUnit, int] = {}
         # torch's execution-order checks, at the DETAIL debug level only (else no cost but this None).
         self.exec_order = ExecOrderCheck(root, units) if enabled() else None
-        # Consecutive small units share one all-gather within this many unsharded bytes (gather_groups.py).
+        # Consecutive small units share one all-gather, and one reduce-scatter, within this many unsharded bytes
+        # (buckets.py).
         self.gather_bucket_bytes = bucket_bytes_from_env()
+        self.reduce_bucket = ReduceBucket(self.gather_bucket_bytes)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Forward
@@ -187,15 +190,31 @@ class Runtime:
             return
         if handle.uses_buffer:
             grad = handle.take_unsynced_into(grad)
-        pending = handle.reduce_grad(grad)
+        self._reduce(handle, grad)
         del grad
-        if pending is not None:
-            self.pending.append(pending)
-            if len(self.pending) > MAX_PENDING_REDUCTIONS.get(self.compute_device.type, 0):
-                self._finish_oldest_reduction()
         handle.post_backward_done = True
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch_for_backward(unit)
+
+    def _reduce(self, handle: FlatParamHandle, grad: torch.Tensor | None) -> None:
+        """Reduce the gradient, or leave it waiting in the bucket for the next units' gradients (buckets.py)."""
+        bucket = self.reduce_bucket
+        if grad is not None and bucket.budget > 0 and bucket.accepts(handle):
+            if not bucket.fits(handle):
+                self._issue_reductions(bucket.flush())
+            if bucket.fits(handle):  # (a gradient alone over the budget is reduced alone)
+                bucket.add(handle, grad)
+                return
+        self._issue_reductions(bucket.flush())  # (keeps the collectives in backward order)
+        pending = handle.reduce_grad(grad)
+        if pending is not None:
+            self._issue_reductions([pending])
+
+    def _issue_reductions(self, pending: list[PendingReduction]) -> None:
+        if pending:
+            self.pending.append(pending)
+            if len(self.pending) > MAX_PENDING_REDUCTIONS.get(self.compute_device.type, 0):
+                self._finish_oldest_reduction()
 
     def _queue_backward_callback(self) -> None:
         if not self.backward_callback_queued:
@@ -203,6 +222,7 @@ class Runtime:
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        self._issue_reductions(self.reduce_bucket.flush())
         while self.pending:
             self._finish_oldest_reduction()
         for unit in self.units:
@@ -217,8 +237,8 @@ class Runtime:
             self.exec_order.next_iteration()
 
     def _finish_oldest_reduction(self) -> None:
-        pending = self.pending.popleft()
-        pending.handle.finish_reduction(pending)
+        for pending in self.pending.popleft():
+            pending.handle.finish_reduction(pending)
 
     # ----------------------------------------------------------------------------------------------------------------
     # All-gather scheduling
@@ -235,7 +255,7 @@ class Runtime:
 
     def _issue_unshard(self, unit: FSDPUnit, backward: bool, only_sharded: bool = False) -> None:
         """All-gather the unit's flat parameters; a small one takes the units expected next along in the same
-        collective (gather_groups.py): those that follow in forward order, or precede it in backward."""
+        collective (buckets.py): those that follow in forward order, or precede it in backward."""
         for handle in unit._handles:
             if not handle.needs_unshard or (only_sharded and not handle.sharded):
                 continue
