@@ -151,8 +151,11 @@ class ReduceBucket:
 
     @staticmethod
     def accepts(handle: FlatParamHandle) -> bool:
-        """Whether `handle`'s gradients may be grouped at all (the default reduction of a sharded unit)."""
-        return handle.sharded and handle.comm_hook is None and handle.world_size > 1
+        """Whether `handle`'s gradients may be grouped at all: the default reduction of a sharded unit over two
+        ranks. Over more, the backend's order of summing the ranks' values may depend on where an element lies in
+        the buffer (gloo's ring splits it into segments by size), which would change the last bits of the sums
+        against reducing the unit alone, as torch's FSDP1 does; the sum of two values does not depend on order."""
+        return handle.sharded and handle.comm_hook is None and handle.world_size == 2
 
     def fits(self, handle: FlatParamHandle) -> bool:
         """Whether `handle`'s gradient may join the waiting ones without overflowing the budget."""
