@@ -35,7 +35,7 @@ from .unit import FSDPUnit
 ENV_VAR = "FSDP_LEGACY_BUCKET_MB"
 # Units of up to a few hundred KiB (the latency-bound ones) group; a transformer block of a few MiB is communicated
 # alone, as before; and the memory held ahead stays small next to any model it matters for.
-DEFAULT_BUCKET_MB = 1.0
+DEFAULT_BUCKET_MB = 0.5
 
 
 def bucket_bytes_from_env() -> int:
@@ -120,7 +120,8 @@ class _GroupGather:
         self._input: torch.Tensor | None = torch.empty(sum(self._sizes), dtype=dtype, device=device)
         for piece, handle in zip(self._input.split(self._sizes), handles, strict=True):
             piece.copy_(handle.local_shard, non_blocking=True)  # (casts to the gather dtype, as unshard's .to())
-        self._output: torch.Tensor | None = torch.empty(self._world_size * self._input.numel(), dtype=dtype, device=device)
+        total = self._world_size * self._input.numel()
+        self._output: torch.Tensor | None = torch.empty(total, dtype=dtype, device=device)
         self._work: comm.Waitable | None = comm.all_gather(self._output, self._input, first.group)
 
     def wait(self) -> bool:

@@ -21,8 +21,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .api import BackwardPrefetch
-from .exec_order import ExecOrderCheck, enabled
 from .buckets import ReduceBucket, bucket_bytes_from_env, gather_group, unshard_together, upcoming
+from .exec_order import ExecOrderCheck, enabled
 from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
 from .unit import FSDPUnit, TrainingState
 
