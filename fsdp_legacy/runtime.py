@@ -124,6 +124,12 @@ class Runtime:
             self.previous_forward_order, self.forward_order = self.forward_order, []
             self.iteration_done = False
             self.frozen_runs.clear()
+            # A unit gathered ahead (a group, a prefetch) that the last iteration did not run: its gather may predate
+            # an optimizer step or a load, so it is dropped rather than used.
+            for unit in self.units:
+                for handle in unit._handles:
+                    if handle.unshard_work is not None:
+                        self._reshard(handle)
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
         self.full_precision_eval = not self.root.training and os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
         for unit in self.units:

@@ -31,8 +31,10 @@ class Deep(nn.Module):
         self.blocks = nn.ModuleList(Small() for _ in range(12))
         self.head = nn.Linear(16, 4)
 
+        self.depth = len(self.blocks)  # how many blocks the next forward runs
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
+        for block in self.blocks[: self.depth]:
             x = block(x)
         return self.head(x)
 
@@ -100,6 +102,31 @@ def test_fewer_collectives_same_numbers(world_size: int, strategy: str, use_orig
         assert grouped["reduce_scatter"] < alone["reduce_scatter"] / 2, (alone, grouped)
     else:  # over more ranks the sum's order could depend on the layout: each unit is reduced alone, as torch does
         assert grouped["reduce_scatter"] == alone["reduce_scatter"], (alone, grouped)
+
+
+def _gathered_ahead_not_run(budget: str) -> torch.Tensor:
+    """A forward that skips the last block, which its group gathered ahead; the parameters then change; the next
+    forward runs every block."""
+    torch.manual_seed(0)
+    model = FSDP(Deep(), auto_wrap_policy=ModuleWrapPolicy({Small}))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    os.environ[ENV_VAR] = budget
+    try:
+        model(x).sum().backward()  # records the forward order that groups follow
+        model.module.depth = len(model.module.blocks) - 1
+        with torch.no_grad():
+            model(x)
+            for param in model.parameters():
+                param.add_(1.0)
+            model.module.depth = len(model.module.blocks)
+            return model(x)
+    finally:
+        del os.environ[ENV_VAR]
+
+
+def test_unit_gathered_ahead_but_not_run_is_regathered() -> None:
+    alone, grouped = (run_on_ranks(_gathered_ahead_not_run, 2, budget)[0] for budget in ("0", "1"))
+    assert torch.equal(alone, grouped)
 
 
 def test_budget_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
