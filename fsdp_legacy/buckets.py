@@ -183,6 +183,10 @@ class ReduceBucket:
     def flush(self) -> list[PendingReduction]:
         """Issue one reduce-scatter for the waiting gradients: one pending reduction per unit, sharing the work."""
         entries, self._entries, self._bytes = self._entries, [], 0
+        if len(entries) == 1:  # alone: the unit's own reduction, no copies
+            handle, grad = entries.pop()
+            pending = handle.reduce_grad(grad)
+            return [pending] if pending is not None else []
         if not entries:
             return []
         first = entries[0][0]
