@@ -295,8 +295,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
         """Issue the all-gather of the full flat parameter (asynchronously); `wait_unshard` completes it."""
         if not self.needs_unshard:
             return
-        self.writeback_orig_params()
-        _alloc(self.full_padded)
+        self.prepare_unshard()
         if not self.sharded:  # NO_SHARD in low precision: a local cast, nothing to gather
             self.full_padded[: self.layout.numel].copy_(self.local_shard)
             self.unshard_work = comm.DONE
@@ -304,6 +303,12 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
         shard = self.local_shard.to(device=self.compute_device, dtype=self.full_padded.dtype, non_blocking=True)
         self.unshard_work = comm.all_gather(self.full_padded, shard, self.group)
         self._gather_input = shard
+
+    def prepare_unshard(self) -> None:
+        """What precedes any all-gather of this handle (its own, or one shared with other units: buckets.py):
+        user edits of the original parameters reach the shard, and the unsharded storage is allocated."""
+        self.writeback_orig_params()
+        _alloc(self.full_padded)
 
     def wait_unshard(self) -> None:
         if self.is_unsharded:

@@ -21,6 +21,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .api import BackwardPrefetch
+from .buckets import ReduceBucket, bucket_bytes_from_env, gather_group, unshard_together, upcoming
 from .exec_order import ExecOrderCheck, enabled
 from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
 from .unit import FSDPUnit, TrainingState
@@ -42,7 +43,8 @@ class Runtime:
         self.forward_order: list[FSDPUnit] = []  # this iteration's first-use order of units with parameters
         self.previous_forward_order: list[FSDPUnit] = []  # the last iteration's, for forward prefetch
         self.iteration_done = True  # the next root forward starts a new iteration
-        self.pending: deque[PendingReduction] = deque()
+        # Issued reductions, oldest first; the units reduced by one collective together are one entry.
+        self.pending: deque[list[PendingReduction]] = deque()
         self.backward_callback_queued = False
         self.compute_device = root.compute_device
         self.limit_all_gathers = root.limit_all_gathers and self.compute_device.type == "cuda"
@@ -53,6 +55,10 @@ class Runtime:
         self.frozen_runs: dict[FSDPUnit, int] = {}
         # torch's execution-order checks, at the DETAIL debug level only (else no cost but this None).
         self.exec_order = ExecOrderCheck(root, units) if enabled() else None
+        # Consecutive small units share one all-gather, and one reduce-scatter, within this many unsharded bytes
+        # (buckets.py).
+        self.gather_bucket_bytes = bucket_bytes_from_env()
+        self.reduce_bucket = ReduceBucket(self.gather_bucket_bytes)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Forward
@@ -77,9 +83,9 @@ class Runtime:
                 handle.training_state = HandleTrainingState.FORWARD
             if unit not in self.forward_order:
                 self.forward_order.append(unit)
-            self._issue_unshard(unit)
+            self._issue_unshard(unit, backward=False)
             if unit.forward_prefetch:
-                self._prefetch(_neighbour(self.previous_forward_order, unit, +1))
+                self._prefetch(_neighbour(self.previous_forward_order, unit, +1), backward=False)
             for handle in unit._handles:
                 handle.wait_unshard()
                 handle.use_unsharded_views()
@@ -118,6 +124,12 @@ class Runtime:
             self.previous_forward_order, self.forward_order = self.forward_order, []
             self.iteration_done = False
             self.frozen_runs.clear()
+            # A unit gathered ahead (a group, a prefetch) that the last iteration did not run: its gather may predate
+            # an optimizer step or a load, so it is dropped rather than used.
+            for unit in self.units:
+                for handle in unit._handles:
+                    if handle.unshard_work is not None:
+                        self._reshard(handle)
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
         self.full_precision_eval = not self.root.training and os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
         for unit in self.units:
@@ -164,7 +176,7 @@ class Runtime:
         for handle in handles:
             handle.needs_pre_backward = False
             handle.training_state = HandleTrainingState.BACKWARD_PRE
-        self._issue_unshard(unit)
+        self._issue_unshard(unit, backward=True)
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_for_backward(unit)
         for handle in handles:
@@ -187,15 +199,31 @@ class Runtime:
             return
         if handle.uses_buffer:
             grad = handle.take_unsynced_into(grad)
-        pending = handle.reduce_grad(grad)
+        self._reduce(handle, grad)
         del grad
-        if pending is not None:
-            self.pending.append(pending)
-            if len(self.pending) > MAX_PENDING_REDUCTIONS.get(self.compute_device.type, 0):
-                self._finish_oldest_reduction()
         handle.post_backward_done = True
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch_for_backward(unit)
+
+    def _reduce(self, handle: FlatParamHandle, grad: torch.Tensor | None) -> None:
+        """Reduce the gradient, or leave it waiting in the bucket for the next units' gradients (buckets.py)."""
+        bucket = self.reduce_bucket
+        if grad is not None and bucket.budget > 0 and bucket.accepts(handle):
+            if not bucket.fits(handle):
+                self._issue_reductions(bucket.flush())
+            if bucket.fits(handle):  # (a gradient alone over the budget is reduced alone)
+                bucket.add(handle, grad)
+                return
+        self._issue_reductions(bucket.flush())  # (keeps the collectives in backward order)
+        pending = handle.reduce_grad(grad)
+        if pending is not None:
+            self._issue_reductions([pending])
+
+    def _issue_reductions(self, pending: list[PendingReduction]) -> None:
+        if pending:
+            self.pending.append(pending)
+            if len(self.pending) > MAX_PENDING_REDUCTIONS.get(self.compute_device.type, 0):
+                self._finish_oldest_reduction()
 
     def _queue_backward_callback(self) -> None:
         if not self.backward_callback_queued:
@@ -203,6 +231,7 @@ class Runtime:
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        self._issue_reductions(self.reduce_bucket.flush())
         while self.pending:
             self._finish_oldest_reduction()
         for unit in self.units:
@@ -217,30 +246,39 @@ class Runtime:
             self.exec_order.next_iteration()
 
     def _finish_oldest_reduction(self) -> None:
-        pending = self.pending.popleft()
-        pending.handle.finish_reduction(pending)
+        for pending in self.pending.popleft():
+            pending.handle.finish_reduction(pending)
 
     # ----------------------------------------------------------------------------------------------------------------
     # All-gather scheduling
 
-    def _prefetch(self, unit: FSDPUnit | None) -> None:
+    def _prefetch(self, unit: FSDPUnit | None, backward: bool) -> None:
         if unit is not None:
-            self._issue_unshard(unit, only_sharded=True)
+            self._issue_unshard(unit, backward, only_sharded=True)
 
     def _prefetch_for_backward(self, current: FSDPUnit) -> None:
         """Start the all-gather of the unit whose backward comes next (the one before `current` in forward order)."""
-        upcoming = _neighbour(self.forward_order, current, -1)
-        if upcoming is not None and any(handle.needs_pre_backward for handle in upcoming._handles):
-            self._prefetch(upcoming)
+        following = _neighbour(self.forward_order, current, -1)
+        if following is not None and any(handle.needs_pre_backward for handle in following._handles):
+            self._prefetch(following, backward=True)
 
-    def _issue_unshard(self, unit: FSDPUnit, only_sharded: bool = False) -> None:
+    def _issue_unshard(self, unit: FSDPUnit, backward: bool, only_sharded: bool = False) -> None:
+        """All-gather the unit's flat parameters; a small one takes the units expected next along in the same
+        collective (buckets.py): those that follow in forward order, or precede it in backward."""
         for handle in unit._handles:
             if not handle.needs_unshard or (only_sharded and not handle.sharded):
                 continue
             if self.limit_all_gathers:
                 while len(self.reshard_events) >= MAX_INFLIGHT_RESHARDS:
                     self.reshard_events.popleft().synchronize()
-            handle.unshard()
+            group = [handle]
+            if len(unit._handles) == 1 and self.gather_bucket_bytes > 0:
+                order = self.forward_order if backward else self.previous_forward_order
+                group = gather_group(handle, upcoming(order, unit, backward), self.gather_bucket_bytes)
+            if len(group) > 1:
+                unshard_together(group)
+            else:
+                handle.unshard()
 
     def _reshard(self, handle: FlatParamHandle) -> None:
         handle.reshard()

@@ -88,10 +88,13 @@ def roles(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> Iter
             for param in handle.orig_params.values():  # use_orig_params=True: views of the shard
                 owner[param] = clean(name)
     runtime = getattr(model, "_runtime", None)
-    for pending in runtime.pending if runtime is not None else ():  # gradient reductions in flight
-        name = owner.get(pending.handle.flat_param, "")
-        yield pending.input, Category.UNSHARDED_GRAD, name
-        yield pending.output, Category.SHARDED_GRAD, name
+    for reductions in runtime.pending if runtime is not None else ():  # gradient reductions in flight
+        for pending in reductions:
+            name = owner.get(pending.handle.flat_param, "")
+            yield pending.input, Category.UNSHARDED_GRAD, name
+            yield pending.output, Category.SHARDED_GRAD, name
+    for handle, grad in runtime.reduce_bucket.waiting() if runtime is not None else ():  # waiting to be reduced
+        yield grad, Category.UNSHARDED_GRAD, owner.get(handle.flat_param, "")
     for optimizer in optimizers:
         for param, state in optimizer.state.items():
             for value in state.values():
