@@ -5,9 +5,11 @@
                -> post-backward hook after the flat parameter's gradient accumulates (reduce-scatter, reshard)
                -> end-of-backward callback once autograd is done (wait reductions, install sharded gradients)
 
-Collectives are asynchronous; a unit's all-gather for the next unit (prefetch) is issued before waiting on its own so
-communication overlaps compute, and at most MAX_PENDING_REDUCTIONS reduce-scatters are in flight so unsharded
-gradients do not pile up.
+Collectives are asynchronous, and each overlaps the compute of one unit:
+- all-gathers: the next unit's (prefetch) is issued before waiting on the current one's. In backward as
+  `backward_prefetch` says; in forward as `forward_prefetch` says, and on CPU also implicitly (below).
+- reductions: a unit's gradient reduction completes at the next unit's post-backward (or at the end of backward), so
+  it runs during that unit's backward, and the unsharded gradients alive are one unit's (or one bucket's) at a time.
 """
 
 import os
@@ -26,11 +28,6 @@ from .exec_order import ExecOrderCheck, enabled
 from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
 from .unit import FSDPUnit, TrainingState
 
-# Gradient reductions left in flight while backward goes on. On CUDA one overlaps the reduce-scatter (on NCCL's
-# stream) with the next unit's backward, as torch FSDP1 does. On CPU the unsharded gradient it keeps alive raises
-# the peak that falls at the start of backward, and gloo's ~1 ms latency per collective showed no measurable gain
-# from the overlap, so reductions complete at once there, as in torch FSDP1 on CPU.
-MAX_PENDING_REDUCTIONS = {"cuda": 1}
 # On CUDA the CPU runs ahead of the GPU; this many resharded-but-not-yet-executed units are allowed before the
 # CPU waits, which bounds the memory of all-gathers issued ahead (torch FSDP1's limit_all_gathers).
 MAX_INFLIGHT_RESHARDS = 2
@@ -74,8 +71,9 @@ class Runtime:
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
         if unit._handles:
+            rerun_in_backward = unit._handles[0].training_state == HandleTrainingState.BACKWARD_PRE  # (checkpointing)
             # (not for an activation-checkpointed re-run in backward, as torch)
-            if self.exec_order is not None and unit._handles[0].training_state != HandleTrainingState.BACKWARD_PRE:
+            if self.exec_order is not None and not rerun_in_backward:
                 self.exec_order.pre_forward(unit, unit.training)
             for handle in unit._handles:
                 if not handle.needs_unshard:  # a gathering unit writes back in unshard(), before its all-gather
@@ -84,13 +82,29 @@ class Runtime:
             if unit not in self.forward_order:
                 self.forward_order.append(unit)
             self._issue_unshard(unit, backward=False)
-            if unit.forward_prefetch:
-                self._prefetch(_neighbour(self.previous_forward_order, unit, +1), backward=False)
+            if self._prefetches_in_forward(unit, rerun_in_backward):
+                following = _neighbour(self.previous_forward_order, unit, +1)
+                if following not in self.forward_order:  # (not one this iteration ran already: an order changed)
+                    self._prefetch(following, backward=False)
             for handle in unit._handles:
                 handle.wait_unshard()
                 handle.use_unsharded_views()
             self._register_frozen_reshard(unit, args, kwargs)
         return args, kwargs
+
+    def _prefetches_in_forward(self, unit: FSDPUnit, rerun_in_backward: bool) -> bool:
+        """`forward_prefetch`, and on CPU also the implicit prefetch that CUDA gets for free: there the CPU runs ahead
+        of the GPU and issues the next unit's all-gather while this one computes; on CPU nothing runs ahead, so the
+        all-gather is issued here. Implicitly only with BACKWARD_PRE, under which backward holds two units' unsharded
+        parameters anyway (a forward holding two raises no peak), and not in a re-run of forward during backward
+        (activation checkpointing), whose next unit in forward order has had its backward already."""
+        if unit.forward_prefetch:
+            return True
+        return (
+            self.compute_device.type == "cpu"
+            and unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
+            and not rerun_in_backward
+        )
 
     def _register_frozen_reshard(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> None:
         """A flat parameter without gradient (frozen weights, integer ones) has no post-backward hook to reshard it:
@@ -188,6 +202,8 @@ class Runtime:
     def post_backward(self, unit: FSDPUnit, handle: FlatParamHandle) -> None:
         """Runs once this backward's gradient has accumulated into one of the unit's unsharded flat parameters."""
         self._queue_backward_callback()
+        # The reductions issued before this unit's backward have overlapped it: complete them before issuing more.
+        self._finish_reductions()
         handle.training_state = HandleTrainingState.BACKWARD_POST
         grad = handle.take_unsharded_grad()
         if handle.uses_buffer:
@@ -222,8 +238,6 @@ class Runtime:
     def _issue_reductions(self, pending: list[PendingReduction]) -> None:
         if pending:
             self.pending.append(pending)
-            if len(self.pending) > MAX_PENDING_REDUCTIONS.get(self.compute_device.type, 0):
-                self._finish_oldest_reduction()
 
     def _queue_backward_callback(self) -> None:
         if not self.backward_callback_queued:
@@ -232,8 +246,7 @@ class Runtime:
 
     def _end_of_backward(self) -> None:
         self._issue_reductions(self.reduce_bucket.flush())
-        while self.pending:
-            self._finish_oldest_reduction()
+        self._finish_reductions()
         for unit in self.units:
             for handle in unit._handles:
                 handle.finish_backward()
@@ -245,9 +258,11 @@ class Runtime:
         if self.exec_order is not None:
             self.exec_order.next_iteration()
 
-    def _finish_oldest_reduction(self) -> None:
-        for pending in self.pending.popleft():
-            pending.handle.finish_reduction(pending)
+    def _finish_reductions(self) -> None:
+        """Complete the issued reductions, oldest first (the order every rank issued them in)."""
+        while self.pending:
+            for pending in self.pending.popleft():
+                pending.handle.finish_reduction(pending)
 
     # ----------------------------------------------------------------------------------------------------------------
     # All-gather scheduling

@@ -148,11 +148,11 @@ def bounds(name: str, activations: dict[Phase, int]) -> dict[Phase, int]:
     """The analytic peak per phase on one rank.
 
     Persistent: the sharded parameters and their momentum (`sharded` bytes each). Unsharded units are in the compute
-    dtype: the root stays unsharded from forward to the end of backward; FULL_SHARD adds one block in forward,
-    SHARD_GRAD_OP keeps every block from its forward to its backward. Backward is taken at the moment each unit's
-    gradient is complete, in backward order: the units after it have reduced theirs to shards, it holds its gradient
-    twice (the parameters' gradients and the flat gradient made of them, plus the fp32 copy for the reduction under
-    mixed precision), and with FULL_SHARD the unit before it is already being gathered (BACKWARD_PRE). no_sync keeps
+    dtype: the root stays unsharded from forward to the end of backward; FULL_SHARD adds two blocks in forward (the
+    one computing and the next one, gathered ahead on CPU as CUDA's run-ahead does), SHARD_GRAD_OP keeps every block
+    from its forward to its backward. Backward is taken at the moment each unit's gradient is complete, in backward
+    order: the units after it have reduced theirs to shards, its gradients are counted as below (`gradients`), and
+    with FULL_SHARD the unit before it is already being gathered (BACKWARD_PRE). no_sync keeps
     the unsharded gradient of every unit whose synchronised backward has not run yet. Mixed precision gathers from a
     low-precision copy of the shard. The optimizer step (in place) holds parameters, gradients and momentum.
     """
@@ -161,19 +161,26 @@ def bounds(name: str, activations: dict[Phase, int]) -> dict[Phase, int]:
     s, n = Sizes.of(WORLD, 2 if mixed else 4), CFG.n_layer
     reshard = name != "shard_grad_op"
     gather = s.block // WORLD if mixed else 0
-    gradient_copies = 4 if mixed else 2  # in units of the unsharded size: two low-precision copies, one fp32
+    # A unit's gradient arrives as the parameters' gradients and the flat gradient made of them (two copies in the
+    # compute dtype); then either the previous unit's fp32 gradient is still being reduced (the reduction overlaps
+    # this unit's backward, and completes in its post-backward) or, under mixed precision, this unit's own fp32 copy
+    # for its reduction exists, never both.
+    fp32_block = (2 if mixed else 1) * s.block
+
+    def gradients(own: int, previous_reducing: bool) -> int:
+        return 2 * own + max(fp32_block if previous_reducing else 0, 2 * own if mixed else 0)
 
     def backward_at(k: int) -> int:  # when block k's gradient is complete; k = n - 1 comes first
         unsharded = s.root + (1 + (k > 0) if reshard else k + 1) * s.block
         unsynced = s.root + (k + 1) * s.block if no_sync_steps else 0
-        return (n - 1 - k) * s.block_shard + unsharded + gradient_copies * s.block + unsynced
+        return (n - 1 - k) * s.block_shard + unsharded + gradients(s.block, k < n - 1) + unsynced
 
-    root_backward = n * s.block_shard + s.root + gradient_copies * s.root + (s.root if no_sync_steps else 0)
+    root_backward = n * s.block_shard + s.root + gradients(s.root, True) + (s.root if no_sync_steps else 0)
     unsynced = s.root + n * s.block if no_sync_steps else 0
-    forward = s.root + (1 if reshard else n) * s.block + unsynced + activations[Phase.FORWARD]
+    forward = s.root + (2 if reshard else n) * s.block + unsynced + activations[Phase.FORWARD]
     backward = max(root_backward, *map(backward_at, range(n))) + gather + activations[Phase.BACKWARD]
     return {
-        Phase.FORWARD: 2 * s.sharded + forward + gather,
+        Phase.FORWARD: 2 * s.sharded + forward + (2 if reshard else 1) * gather,  # (two gathers in flight)
         Phase.BACKWARD: 2 * s.sharded + backward,
         Phase.OPTIMIZER: 3 * s.sharded,
     }
