@@ -29,7 +29,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from . import collectives as comm
-from .handle import FlatParamHandle, PendingReduction
+from .flat_param_grads import PendingReduction
+from .handle import FlatParamHandle
 from .unit import FSDPUnit
 
 ENV_VAR = "FSDP_LEGACY_BUCKET_MB"

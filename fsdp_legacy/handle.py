@@ -4,20 +4,13 @@ States of the flat parameter's `.data`:
   sharded   -> the local shard (`local_shard`), what the optimizer steps on;
   unsharded -> `full_padded`, the all-gathered flat tensor whose storage is freed (resized to 0) while sharded, so
                that tensors autograd saved as views of it stay valid across a free and a later re-gather.
-Where the sharded gradient lives:
-  use_orig_params=False -> `flat_param.grad`. When backward reaches the unit it is set aside in `saved_grad` (autograd
-               accumulates the unsharded gradient into `.grad`) and put back at the end of backward. Only then, as
-               torch FSDP1 does, so that a zero_grad() between forward and backward still counts.
-  use_orig_params=True  -> only on the original parameters, as views of one compact buffer that holds just this
-               rank's pieces of trainable parameters: frozen parameters and alignment padding cost no gradient memory
-               (torch FSDP1 keeps a shard-sized flat gradient). `flat_param.grad` then stays None while sharded.
-               NO_SHARD in full precision on the compute device, where autograd writes the flat gradient in place,
-               keeps the first scheme with the original gradients as views of it (orig_param_grads.py).
+Mixed in: the gradient's way through backward, and where the sharded gradient lives (flat_param_grads.py); with
+use_orig_params=True, that gradient on the original parameters (orig_param_grads.py) and what the modules register
+for them (orig_param_views.py).
 A unit whose parameters differ in dtype has one handle per dtype; each is what is described here.
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import auto
 
 import torch
@@ -37,9 +30,11 @@ from .flat_param import (
     build_layout,
     flatten,
 )
+from .flat_param_grads import FlatParamGrads
 from .naming import FLAT_PARAM
-from .orig_param_grads import OrigParamGrads, assign_grad
+from .orig_param_grads import OrigParamGrads
 from .orig_param_views import OrigParamViews
+from .storage import alloc_storage, free_storage
 from .tensor_parallel import DTensorParam, local_tensor
 
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
@@ -55,18 +50,8 @@ class HandleTrainingState(FSDPEnum):
     SUMMON_FULL_PARAMS = auto()
 
 
-@dataclass
-class PendingReduction:
-    """An issued gradient reduce-scatter (or all-reduce) whose result is not yet folded into the gradient."""
-
-    handle: "FlatParamHandle"
-    work: comm.Waitable
-    output: torch.Tensor
-    input: torch.Tensor  # kept alive until the collective completes
-    post_divide: float
-
-
-class FlatParamHandle(OrigParamGrads, OrigParamViews):
+# Each mixin declares the methods it uses of the others as stubs, so it must come after those that define them.
+class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
     def __init__(
         self,
         module: nn.Module,
@@ -214,14 +199,14 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
         numel, device = self.layout.padded_numel, self.compute_device
         if self.mixed or self.offload:
             self.full_padded = torch.empty(numel, dtype=self.compute_dtype, device=device)
-            _free(self.full_padded)
+            free_storage(self.full_padded)
             self._unsharded_buffers = {self.compute_dtype: self.full_padded}  # by dtype: see select_precision
         elif self.sharded:
             if reuse is not None and reuse.dtype == self.local_shard.dtype and reuse.device == device:
                 self.full_padded = reuse
             else:
                 self.full_padded = torch.empty(numel, dtype=self.local_shard.dtype, device=device)
-            _free(self.full_padded)
+            free_storage(self.full_padded)
         else:
             self.full_padded = self.local_shard
 
@@ -283,7 +268,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
             self.reshard()
         if dtype not in self._unsharded_buffers:
             buffer = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.compute_device)
-            _free(buffer)
+            free_storage(buffer)
             self._unsharded_buffers[dtype] = buffer
         self.full_padded = self._unsharded_buffers[dtype]
 
@@ -308,7 +293,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
         """What precedes any all-gather of this handle (its own, or one shared with other units: buckets.py):
         user edits of the original parameters reach the shard, and the unsharded storage is allocated."""
         self.writeback_orig_params()
-        _alloc(self.full_padded)
+        alloc_storage(self.full_padded)
 
     def wait_unshard(self) -> None:
         if self.is_unsharded:
@@ -326,7 +311,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
         if gather_input is not None and gather_input is not self.local_shard and gather_input.device.type == "cpu":
             # A low-precision copy of the shard: free it now rather than whenever the backend's work object, which
             # keeps its inputs, is released (gloo's may outlive wait()).
-            _free(gather_input)
+            free_storage(gather_input)
 
     def reshard(self) -> None:
         """Back to the local shard and free the unsharded storage."""
@@ -338,7 +323,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
         if self.is_unsharded:
             self.flat_param.data = self.local_shard
             self.is_unsharded = False
-        _free(self.full_padded)
+        free_storage(self.full_padded)
 
     def keep_unsharded_after_forward(self) -> None:
         """Forward is over and the unit stays gathered for backward. As in torch, SHARD_GRAD_OP keeps showing the
@@ -447,141 +432,18 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews):
         self._register_orig_params()
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Gradients
-
-    def prepare_gradient_for_backward(self) -> None:
-        """Backward has reached the unit, and autograd is about to accumulate into the flat parameter: adopt the
-        user's gradients as they are now, and set the sharded flat gradient aside (use_orig_params=False)."""
-        if self.backward_prepared:
-            return
-        self.backward_prepared = True
-        if self._registered_views:
-            self._check_registered_views()
-        self.sync_grad_from_orig_params()
-        if self.uses_buffer and not self.grads_on_orig_params:
-            grad, self.flat_param.grad = self.flat_param.grad, None
-            if self.unsynced_grad is None:  # under no_sync, `.grad` only shows the unsynced gradient
-                self.saved_grad = grad
-
-    def take_unsharded_grad(self) -> torch.Tensor | None:
-        """This backward's gradient, taken off the flat parameter (when it has a separate unsharded buffer) so it
-        can reshard first."""
-        grad = self.flat_param.grad
-        if self.uses_buffer:
-            self.flat_param.grad = None
-        return grad
-
-    def accumulate_unsynced(self, grad: torch.Tensor | None) -> None:
-        """no_sync(): keep the unsharded gradient, unreduced, adding it to those of earlier no_sync backwards."""
-        if grad is None:
-            return
-        if self.unsynced_grad is None:
-            self.unsynced_grad = grad
-        else:
-            self.unsynced_grad.add_(grad)
-
-    def take_unsynced_into(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """The first synchronised backward after no_sync() reduces the no_sync gradients together with its own."""
-        unsynced, self.unsynced_grad = self.unsynced_grad, None
-        if unsynced is None:
-            return grad
-        return unsynced if grad is None else grad.add_(unsynced)
-
-    def _expose_unsynced_grads(self) -> None:
-        """As torch FSDP1 shows them under no_sync(): the flat gradient unsharded and unpadded (use_orig_params=False),
-        or full-shape gradients on the original parameters (True), while the parameters themselves stay sharded."""
-        flat = self.unsynced_grad
-        assert flat is not None, "called only while no_sync() accumulates"
-        if not self.use_orig_params:
-            assign_grad(self.flat_param, flat[: self.layout.numel])
-            return
-        for info, param in self.orig_params.items():
-            if param.requires_grad:
-                assign_grad(param, flat[info.offset : info.offset + info.numel].view(info.shape))
-        self._orig_grad_views = {}
-
-    def reduce_grad(self, grad: torch.Tensor | None) -> PendingReduction | None:
-        """Issue the reduction of the unsharded gradient, in the reduce dtype: sharded strategies reduce-scatter it,
-        NO_SHARD all-reduces it."""
-        if grad is None:
-            return None
-        if grad.dtype != self.reduce_dtype:
-            grad = grad.to(self.reduce_dtype)
-        if self.comm_hook is not None:  # the hook communicates (synchronously) and divides by itself
-            output = grad
-            if self.sharded:
-                output = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-                self.comm_hook(self.comm_hook_state, grad, output)
-            else:
-                self.comm_hook(self.comm_hook_state, grad)
-            return PendingReduction(self, comm.DONE, output, grad, 1.0)
-        pre, post = comm.gradient_divide_factors(self.data_parallel_size)
-        if pre > 1:
-            grad.div_(pre)
-        if self.sharded:
-            output = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-            return PendingReduction(self, comm.reduce_scatter(output, grad, self.group), output, grad, post)
-        if self.world_size == 1:
-            return PendingReduction(self, comm.DONE, grad, grad, post)
-        return PendingReduction(self, comm.all_reduce(grad, self.group), grad, grad, post)
-
-    def finish_reduction(self, pending: PendingReduction) -> None:
-        pending.work.wait()
-        if pending.input is not pending.output and pending.input.device.type == "cpu":
-            # The unsharded gradient is dead now; free it at once rather than whenever the backend's work object
-            # (which keeps its inputs) is released.
-            _free(pending.input)
-        if self.replicate_group is not None:
-            comm.all_reduce(pending.output, self.replicate_group).wait()
-        if pending.post_divide > 1:
-            pending.output.div_(pending.post_divide)
-        if self.uses_buffer:  # reduced in the reduce dtype; the gradient lives with the shard, in the grad dtype
-            # (A blocking copy when offloading: the optimizer reads it on the CPU right after backward.)
-            output = pending.output[: self.local_shard.numel()]
-            output = output.to(device=self.local_shard.device, dtype=self.grad_dtype)
-            if self.grads_on_orig_params:  # folded in at once, so no shard-sized gradient outlives its reduction
-                self._accumulate_compact(output)
-            else:
-                self.new_grad = output
-        elif pending.output is not self.flat_param.grad:  # NO_SHARD reduced in another dtype: back into .grad
-            assert self.flat_param.grad is not None
-            self.flat_param.grad.copy_(pending.output)
+    # End of backward (what becomes of the gradients: flat_param_grads.py)
 
     def finish_backward(self) -> None:
         """End of backward: back to the shard, with this backward's gradient added to the sharded gradient."""
         self.reshard()
-        if not self.backward_prepared:  # backward never reached the unit: a zero_grad() after forward still counts
-            self.sync_grad_from_orig_params()
-        if self.saved_grad is not None and self.unsynced_grad is None:
-            assign_grad(self.flat_param, self.saved_grad)
-            self.saved_grad = None
-        if self.new_grad is not None:
-            if self.flat_param.grad is None:
-                assign_grad(self.flat_param, self.new_grad)
-            else:
-                self.flat_param.grad.add_(self.new_grad)
-            self.new_grad = None
-        if self.uses_buffer and self.unsynced_grad is not None:
-            self._expose_unsynced_grads()
-        elif self.use_orig_params:
-            self._use_orig_grad_views()
+        self._settle_grads()
         self.training_state = HandleTrainingState.IDLE
         self.needs_pre_backward = False
         self.post_backward_done = False
         self.backward_prepared = False
         if self.unsynced_grad is None:
             self._step_optimizers_in_backward()
-
-    def _step_optimizers_in_backward(self) -> None:
-        """Optimizers applied in backward (torch.distributed.optim._apply_optimizer_in_backward, use_orig_params=True)
-        step on each original parameter once its sharded gradient is final, then drop it, as torch's FSDP1 does."""
-        for param in self.orig_params.values():
-            optimizers = getattr(param, "_in_backward_optimizers", ())
-            if param.grad is None or not optimizers:
-                continue
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
 
 
 def _uniform(params: list[nn.Parameter], key, what: str):
@@ -593,17 +455,6 @@ def _uniform(params: list[nn.Parameter], key, what: str):
             "requires_grad)."
         )
     return values.pop()
-
-
-def _free(tensor: torch.Tensor) -> None:
-    tensor.untyped_storage().resize_(0)
-
-
-def _alloc(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    nbytes = tensor.numel() * tensor.element_size()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
 
 
 def _registered(module: nn.Module, name: str) -> nn.Parameter:

@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from .api import BackwardPrefetch
 from .buckets import ReduceBucket, bucket_bytes_from_env, gather_group, unshard_together, upcoming
 from .exec_order import ExecOrderCheck, enabled
-from .handle import FlatParamHandle, HandleTrainingState, PendingReduction
+from .flat_param_grads import PendingReduction
+from .handle import FlatParamHandle, HandleTrainingState
 from .unit import FSDPUnit, TrainingState
 
 # On CUDA the CPU runs ahead of the GPU; this many resharded-but-not-yet-executed units are allowed before the

@@ -129,17 +129,17 @@ def _measure(name: str, leak: str = "") -> dict[Phase, int]:
     kwargs, no_sync_steps = CONFIGS[name]
     torch.manual_seed(0)
     plain = GPT(CFG)
-    free = handle_module._free
+    free = handle_module.free_storage
     with MemoryTracker() as tracker:
         kept = [p.data for p in plain.blocks[LEAKED].parameters()] if leak == "orig" else []
         model = FSDP(plain, auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs)
         tracker.track(model)
         leaked = model.blocks[LEAKED]._handle
-        handle_module._free = lambda t: None if leak == "unit" and t is leaked.full_padded else free(t)
+        handle_module.free_storage = lambda t: None if leak == "unit" and t is leaked.full_padded else free(t)
         try:
             train(model, tracker, no_sync_steps=no_sync_steps)
         finally:
-            handle_module._free = free
+            handle_module.free_storage = free
         del kept
     return {phase: tracker.peak(phase) for phase in PHASES}
 

@@ -100,7 +100,7 @@ def _peak_unsharded_bytes(mixed: bool) -> tuple[int, int, int]:
     _, ours = build_ours(config)
     handles = [unit._handle for unit in FSDP.fsdp_modules(ours)]
     peak = 0
-    original = handle_module._alloc
+    original = handle_module.alloc_storage
 
     def watching_alloc(tensor: torch.Tensor) -> None:
         nonlocal peak
@@ -108,7 +108,7 @@ def _peak_unsharded_bytes(mixed: bool) -> tuple[int, int, int]:
         live = sum(h.full_padded.untyped_storage().nbytes() for h in handles)
         peak = max(peak, live)
 
-    handle_module._alloc = watching_alloc
+    handle_module.alloc_storage = watching_alloc
     # Gather groups (buckets.py) unshard small units ahead by design, up to their budget: off here, so that the
     # bound is that of one unit at a time and measures only what is unsharded in which dtype.
     os.environ[ENV_VAR] = "0"
@@ -116,7 +116,7 @@ def _peak_unsharded_bytes(mixed: bool) -> tuple[int, int, int]:
         for step in range(2):
             loss_of(ours(models.Transformer.batch(step))).backward()
     finally:
-        handle_module._alloc = original
+        handle_module.alloc_storage = original
         del os.environ[ENV_VAR]
     sizes = [h.layout.padded_numel * 2 for h in handles]  # bf16 bytes of each unit unsharded
     return peak, sizes[0], max(sizes[1:])
