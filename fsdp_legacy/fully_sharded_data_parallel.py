@@ -147,7 +147,7 @@ class FullyShardedDataParallel(FSDPUnit):
         self._comm_hook_state: object = None
         self.training_state = TrainingState.IDLE
         self._is_root: bool | None = None
-        self._runtime: Runtime | None = None
+        self._runtime: Runtime | None = None  # shared by all units under one root, from the first forward on
 
         plan = plan_unit(
             module, is_boundary, self._ignored_params, FLATTENED, device_mesh, self._inter_node_pg is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import auto
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,9 +18,6 @@ from torch import nn
 from .api import BackwardPrefetch, CPUOffload, FSDPEnum, MixedPrecision, ShardingStrategy, StateDictType
 from .handle import FlatParamHandle
 from .naming import CHECKPOINT_WRAPPED_MODULE, FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn
-
-if TYPE_CHECKING:  # runtime.py imports this module; the annotation needs no import at run time
-    from .runtime import Runtime
 
 __all__ = ["FLAT_PARAM", "FSDP_PREFIX", "FSDP_WRAPPED_MODULE", "FSDPUnit", "TrainingState", "clean_fqn", "fsdp_modules"]
 
@@ -53,7 +50,6 @@ class FSDPUnit(nn.Module):
     # Per step
     training_state: TrainingState
     _is_root: bool | None  # None until the first forward decides the root
-    _runtime: Runtime | None  # shared by all units under one root, from the first forward on
     _sync_gradients: bool  # False inside no_sync()
     _comm_hook: Callable | None
     _comm_hook_state: object

@@ -1,13 +1,9 @@
 """MemoryProfile: one rank's peaks per phase as plain data (picklable, so ranks can send it)."""
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .categories import Category, Phase
 from .table import Breakdown, by_category, module_table, phase_table
-
-if TYPE_CHECKING:  # the tracker builds profiles, so it imports this module
-    from .tracker import MemoryTracker
 
 
 @dataclass(frozen=True)
@@ -17,13 +13,6 @@ class MemoryProfile:
     peaks: dict[Phase, Breakdown]
     units: tuple[str, ...] = ()  # FQNs of the FSDP units, for the per-unit table
     device: str = "cpu"
-
-    @classmethod
-    def of(cls, tracker: "MemoryTracker", device: str | None = None) -> "MemoryProfile":
-        device = device or max(tracker.live, key=lambda d: tracker.live[d], default="cpu")
-        tracker.relabel()
-        peaks = {p: tracker.peak_snapshot(p, device).bytes for p in Phase if device in tracker.peaks[p]}
-        return cls(peaks, tuple(tracker.units()), device)
 
     def peak(self, phase: Phase | None = None) -> int:
         """The peak of `phase`, or of all phases."""

@@ -163,7 +163,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def profile(self, device: str | None = None) -> MemoryProfile:
         """The peaks per phase on `device` (by default the busiest) as plain data, with the latest labels."""
-        return MemoryProfile.of(self, device)
+        device = device or max(self.live, key=lambda d: self.live[d], default="cpu")
+        self.relabel()
+        peaks = {p: self.peak_snapshot(p, device).bytes for p in Phase if device in self.peaks[p]}
+        return MemoryProfile(peaks, tuple(self.units()), device)
 
     def table(self, top_modules: int = 12) -> str:
         """Peaks per phase by category, and per FSDP unit (or module) at the overall peak, of the busiest device."""
