@@ -182,6 +182,10 @@ class ReduceBucket:
         self._entries.append((handle, grad))
         self._bytes += _grad_bytes(handle)
 
+    def discard(self) -> None:
+        """Drop the waiting gradients unreduced (their backward was interrupted)."""
+        self._entries, self._bytes = [], 0
+
     def flush(self) -> list[PendingReduction]:
         """Issue one reduce-scatter for the waiting gradients: one pending reduction per unit, sharing the work."""
         entries, self._entries, self._bytes = self._entries, [], 0

@@ -135,6 +135,8 @@ class Runtime:
                 handle.training_state = HandleTrainingState.BACKWARD_POST
 
     def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.backward_callback_queued and not _inside_backward():
+            self._end_interrupted_backward()
         if self.iteration_done:
             self.previous_forward_order, self.forward_order = self.forward_order, []
             self.iteration_done = False
@@ -259,6 +261,25 @@ class Runtime:
         if self.exec_order is not None:
             self.exec_order.next_iteration()
 
+    def _end_interrupted_backward(self) -> None:
+        """A backward that raised (an error in a loss, a hook or a custom function; a KeyboardInterrupt) never ran
+        its end-of-backward callback: autograd drops queued callbacks on error, and without this every later backward
+        would leave its gradients unreduced. Found at the next forward, which is after whatever the user did about
+        the error (typically zero_grad()), so the interrupted backward's gradients are dropped rather than installed
+        now, past that zero_grad(), as torch's FSDP1 does: the collectives every rank issued before the error
+        complete, their results are discarded, and each unit returns to its idle, sharded state with the gradient it
+        had before that backward. (Gradients already in `.grad` stay, as plain autograd leaves them: with
+        use_orig_params=True a unit's reduced gradient joins `.grad` as its reduction completes.)"""
+        self.reduce_bucket.discard()
+        while self.pending:
+            for pending in self.pending.popleft():
+                pending.work.wait()
+        for unit in self.units:
+            for handle in unit._handles:
+                handle.new_grad = None
+                handle.sync_grad_from_orig_params()  # (what the user did to the gradients since the error stands)
+        self._end_of_backward()
+
     def _finish_reductions(self) -> None:
         """Complete the issued reductions, oldest first (the order every rank issued them in)."""
         while self.pending:
@@ -302,6 +323,12 @@ class Runtime:
             event = torch.cuda.Event()
             event.record()
             self.reshard_events.append(event)
+
+
+def _inside_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a forward re-run for activation
+    checkpointing, say), as torch.utils.checkpoint asks it."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _neighbour(order: list[FSDPUnit], unit: FSDPUnit, step: int) -> FSDPUnit | None:
