@@ -3,7 +3,8 @@
     forward:   pre_forward (all-gather, views)  -> wrapped module -> post_forward (reshard, pre-backward hooks)
     backward:  pre-backward hook on the unit's outputs (all-gather again if resharded)
                -> post-backward hook after the flat parameter's gradient accumulates (reduce-scatter, reshard)
-               -> end-of-backward callback once autograd is done (wait reductions, install sharded gradients)
+               -> end-of-backward callback once autograd is done (wait reductions, install sharded gradients);
+                  after a backward that raised, the root's next forward ends it instead
 
 Collectives are asynchronous, and each overlaps the compute of one unit:
 - all-gathers: the next unit's (prefetch) is issued before waiting on the current one's. In backward as
