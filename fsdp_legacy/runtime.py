@@ -266,8 +266,8 @@ class Runtime:
         """A backward that raised (an error in a loss, a hook or a custom function; a KeyboardInterrupt) never ran
         its end-of-backward callback: autograd drops queued callbacks on error, and without this every later backward
         would leave its gradients unreduced. Found at the next forward, which is after whatever the user did about
-        the error (typically zero_grad()), so the interrupted backward's gradients are dropped rather than installed
-        now, past that zero_grad(), as torch's FSDP1 does: the collectives every rank issued before the error
+        the error (typically zero_grad()), so the interrupted backward's gradients are dropped (torch's FSDP1 adds
+        them to the next backward's, past that zero_grad()): the collectives every rank issued before the error
         complete, their results are discarded, and each unit returns to its idle, sharded state with the gradient it
         had before that backward. (Gradients already in `.grad` stay, as plain autograd leaves them: with
         use_orig_params=True a unit's reduced gradient joins `.grad` as its reduction completes.)"""
