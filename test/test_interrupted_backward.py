@@ -7,6 +7,7 @@ gradients, as after any failed step; the parameters must then equal the oracle's
 fails this: it keeps the interrupted backward's reduced shards aside and adds them to the next backward's gradients,
 past the zero_grad; docs/compatibility.md.)"""
 
+import importlib
 import os
 
 import pytest
@@ -14,10 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_legacy import FullyShardedDataParallel as FSDP
-from fsdp_legacy import ShardingStrategy
 from fsdp_legacy.buckets import ENV_VAR
-from fsdp_legacy.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
 
 
@@ -61,57 +59,39 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randn(4, 8, generator=g) for _ in range(4)]
 
 
-def _ours(strategy: str, use_orig_params: bool, budget: str) -> list[torch.Tensor]:
+def _train(lib_name: str, strategy: str, use_orig_params: bool, budget: str, fail: bool) -> list[torch.Tensor]:
+    """Four steps with `lib_name`'s FSDP1 (ours or torch's: the same arguments); with `fail`, the second one's
+    backward raises and the user zeroes the gradients; without, that step is skipped. The full parameters after."""
+    lib = importlib.import_module(lib_name)
+    policy = importlib.import_module(f"{lib_name}.wrap").ModuleWrapPolicy({Block})
     os.environ[ENV_VAR] = budget
     try:
         torch.manual_seed(0)
-        model = FSDP(
+        model = lib.FullyShardedDataParallel(
             Net(),
-            auto_wrap_policy=ModuleWrapPolicy({Block}),
-            sharding_strategy=ShardingStrategy[strategy],
+            auto_wrap_policy=policy,
+            sharding_strategy=lib.ShardingStrategy[strategy],
             use_orig_params=use_orig_params,
+            device_id=torch.device("cpu"),
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         first, failing, *rest = _batches()
-        model(first).backward()  # an ordinary step first: the failure comes in a later iteration
-        opt.step()
-        opt.zero_grad()
-        model.module.fail = True
-        with pytest.raises(RuntimeError, match="failed in backward"):
-            model(failing).backward()
-        model.module.fail = False
-        opt.zero_grad()
-        for x in rest:
+        for step, x in enumerate((first, failing, *rest)):
+            if step == 1:  # the failure comes in a later iteration than the first
+                if fail:
+                    model.module.fail = True
+                    with pytest.raises(RuntimeError, match="failed in backward"):
+                        model(x).backward()
+                    model.module.fail = False
+                    opt.zero_grad()
+                continue
             model(x).backward()
             opt.step()
             opt.zero_grad()
-        with FSDP.summon_full_params(model):
+        with lib.FullyShardedDataParallel.summon_full_params(model):
             return [p.detach().clone() for p in model.parameters()]
     finally:
         del os.environ[ENV_VAR]
-
-
-def _torch_without_the_failed_step(strategy: str, use_orig_params: bool) -> list[torch.Tensor]:
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
-
-    torch.manual_seed(0)
-    model = TorchFSDP(
-        Net(),
-        auto_wrap_policy=TorchPolicy({Block}),
-        sharding_strategy=TorchStrategy[strategy],
-        use_orig_params=use_orig_params,
-        device_id=torch.device("cpu"),
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    first, _, *rest = _batches()
-    for x in (first, *rest):
-        model(x).backward()
-        opt.step()
-        opt.zero_grad()
-    with TorchFSDP.summon_full_params(model):
-        return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize(
@@ -129,8 +109,8 @@ def _torch_without_the_failed_step(strategy: str, use_orig_params: bool) -> list
 def test_training_goes_on_after_a_backward_that_raised(
     strategy: str, use_orig_params: bool, budget: str, world_size: int
 ) -> None:
-    ours = run_on_ranks(_ours, world_size, strategy, use_orig_params, budget)
-    theirs = run_on_ranks(_torch_without_the_failed_step, world_size, strategy, use_orig_params)
+    ours = run_on_ranks(_train, world_size, "fsdp_legacy", strategy, use_orig_params, budget, True)
+    theirs = run_on_ranks(_train, world_size, "torch.distributed.fsdp", strategy, use_orig_params, budget, False)
     for mine, reference in zip(ours, theirs, strict=True):
         assert len(mine) == len(reference)
         for a, b in zip(mine, reference, strict=True):
