@@ -18,6 +18,7 @@ from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import wrap as our_wrap
 
 FSDP_PREFIX = "_fsdp_wrapped_module."
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name before 2.13
 MODELS = {
     "net": (models.Net, models.Net.batch, {"block": (models.Block,)}),
     "transformer": (models.Transformer, models.Transformer.batch, {"block": (models.TransformerBlock,)}),
@@ -143,8 +144,8 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         for handle in unit._handles if isinstance(unit, FSDP) else ():
             flat = handle.local_shard.detach()
             if handle.sharded:
-                flat = torch.empty(handle.layout.padded_numel, dtype=flat.dtype)
-                dist.all_gather_single(flat, handle.local_shard.detach().contiguous(), group=handle.group)
+                flat = torch.empty(handle.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+                all_gather_single(flat, handle.local_shard.detach().contiguous(), group=handle.group)
             prefix = clean(unit_name + "." if unit_name else "")
             for info in handle.layout.params:
                 result[prefix + info.fqn] = flat[info.offset : info.offset + info.numel].view(info.shape).clone()

@@ -122,7 +122,8 @@ def _compress_hook(dtype: torch.dtype):
     def hook(state: default_hooks.DefaultState, grad: torch.Tensor, output: torch.Tensor) -> None:
         low = grad.to(dtype).div_(state.gradient_predivide_factor)
         out = torch.empty(output.shape, dtype=dtype)
-        dist.reduce_scatter_single(out, low, group=state.process_group)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # before 2.13
+        reduce_scatter(out, low, group=state.process_group)
         output.copy_(out.div_(state.gradient_postdivide_factor))
 
     return hook

@@ -6,6 +6,7 @@
     python tools/bench.py --out docs/benchmarks.md     # also rewrite the table in that file
     python tools/bench.py --plot docs/benchmarks.png   # also draw a figure (needs matplotlib)
     python tools/bench.py --models gpt-bf16            # one model: GPT in bf16 mixed precision
+    python tools/bench.py --nproc 2 --backend gloo     # on one GPU: two ranks share it over gloo
 
 The script spawns its own ranks. Every rank builds each model from the same seed and feeds
 every implementation the same per-rank batch. A step is forward + backward + SGD(momentum)
@@ -177,6 +178,20 @@ class Runner:
 # --------------------------------------------------------------------------------------
 
 
+def warm_up_cuda_libraries(wl: Workload, device: torch.device) -> None:
+    """cuBLAS takes its workspaces from the caching allocator at a stream's first matrix products, in fp32 and in bf16,
+    and keeps them for the process's life: one plain step in each dtype first, so that the implementation measured
+    first does not pay for them alone (tens of MiB on a Hopper GPU)."""
+    model = wl.build().to(device)
+    for low_precision in (False, True):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low_precision):
+            loss = wl.loss(model)
+        loss.float().backward()
+    del model, loss
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def measure_peak_mib(impl: str, wl: Workload, device: torch.device) -> float:
     """Peak bytes (MiB) of one step of ``impl`` built alone: persistent state + transients."""
     gc.collect()
@@ -260,6 +275,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
 
     if not wl.compiled:
         log(f"[{name}] memory pass: {', '.join(rows)}")
+        if device.type == "cuda":
+            warm_up_cuda_libraries(wl, device)
         for impl, row in rows.items():
             row.peak_mib = guarded(row, "memory pass", partial(measure_peak_mib, impl, wl, device))
 
@@ -421,16 +438,17 @@ def plot(rows: list[Row], path: Path, title: str, descs: dict[str, str]) -> None
 
 def worker(rank: int, args: argparse.Namespace, nproc: int, store_path: str, result_path: str) -> None:
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+    backend = args.backend or ("nccl" if cuda else "gloo")
+    if cuda:  # gloo may put several ranks on one GPU; NCCL needs a GPU per rank (parse_args checks)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // nproc))  # same budget for all
     store = dist.FileStore(store_path, nproc)
     # A finite timeout turns a rank stuck on a peer's failure into an error instead of a hang.
     dist.init_process_group(
-        "nccl" if cuda else "gloo",
+        backend,
         store=store,
         rank=rank,
         world_size=nproc,
@@ -445,7 +463,8 @@ def worker(rank: int, args: argparse.Namespace, nproc: int, store_path: str, res
 
     if rank == 0:
         if cuda:
-            env = f"cuda ({torch.cuda.get_device_name()}), nccl"
+            gpus = min(nproc, torch.cuda.device_count())
+            env = f"cuda ({torch.cuda.get_device_name()} x {gpus}), {backend}"
         else:
             env = f"CPU, gloo, {len(os.sched_getaffinity(0))} cores split between the ranks"
         with open(result_path, "wb") as f:
@@ -465,6 +484,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
     p.add_argument("--nproc", default="2", help="ranks to spawn; a comma-separated list runs once per world size")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / nproc)")
+    p.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="process group backend (default: nccl on CUDA, gloo on CPU); gloo on CUDA lets ranks share a GPU",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="markdown file whose benchmark table to rewrite")
     p.add_argument("--plot", default=None, help="PNG file to draw the results in (needs matplotlib)")
@@ -478,6 +503,8 @@ def parse_args() -> argparse.Namespace:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the long run
         p.error("--plot needs matplotlib: pip install matplotlib (or fsdp_legacy[plot])")
     args.nproc = [int(n) for n in args.nproc.split(",") if n]
+    if torch.cuda.is_available() and args.backend != "gloo" and max(args.nproc) > torch.cuda.device_count():
+        p.error(f"NCCL needs a GPU per rank and there are {torch.cuda.device_count()}: use --backend gloo to share")
     return args
 
 
