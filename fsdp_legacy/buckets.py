@@ -31,6 +31,7 @@ import torch
 from . import collectives as comm
 from .flat_param_grads import PendingReduction
 from .handle import FlatParamHandle
+from .storage import free_storage
 from .unit import FSDPUnit
 
 ENV_VAR = "FSDP_LEGACY_BUCKET_MB"
@@ -138,7 +139,7 @@ class _GroupGather:
         if self._output.device.type == "cpu":
             # Free both now rather than whenever the backend's work object, which keeps them, is released.
             for tensor in (self._input, self._output):
-                tensor.untyped_storage().resize_(0)
+                free_storage(tensor)
         self._input = self._output = None
         self._handles = []
         return True

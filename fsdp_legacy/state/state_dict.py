@@ -42,6 +42,7 @@ from ..convert.record import LAYOUT_KEYS_ENV, METADATA_KEY, RECORD_SUFFIX, FlatP
 from ..flat_param import ParamInfo
 from ..handle import FlatParamHandle
 from ..naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
+from ..storage import free_storage
 from ..unit import FSDPUnit, clean_fqn, fsdp_modules
 from . import save_identity
 from .sharded_tensor_compat import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata, TensorProperties
@@ -292,7 +293,7 @@ def _gathered(handle: FlatParamHandle) -> Iterator[torch.Tensor]:
     try:
         yield full
     finally:
-        full.untyped_storage().resize_(0)
+        free_storage(full)
 
 
 def _unsharded_values(
