@@ -232,14 +232,24 @@ def _mesh_place(mesh: _Inert) -> tuple[list[int], list[int], int]:
     rank, coordinate = mesh.get("_rank"), mesh.get("_coordinate_on_dim")
     if mesh.get("mesh") is not None:
         sizes = list(mesh.field("mesh").shape)
-    elif isinstance(mesh.get("_layout"), _Inert):
+    elif isinstance(mesh.get("_layout"), _Inert) and mesh.field("_layout").get("axes") is not None:
         axes = mesh.field("_layout").field("axes")  # one _FlatLayout per mesh dimension
         sizes = [math.prod(axis.field("shape")) if isinstance(axis, _Inert) else 0 for axis in axes]
+    elif isinstance(mesh.get("_layout"), _Inert):  # torch 2.10 and 2.11: a nested shape, one entry per dimension
+        shape = mesh.field("_layout").field("shape")
+        sizes = [_nested_size(entry) for entry in (shape if isinstance(shape, tuple) else (shape,))]
     else:
         raise pickle.UnpicklingError("a DeviceMesh without its shape")
     if not isinstance(rank, int) or coordinate is None or not all(sizes):
         raise pickle.UnpicklingError("a DeviceMesh without the saving rank's place (saved by a rank outside it?)")
     return sizes, [int(c) for c in coordinate], rank
+
+
+def _nested_size(entry: Any) -> int:
+    """The number of ranks along one mesh dimension of a nested layout shape (an int, or a tuple of them)."""
+    if isinstance(entry, int):
+        return entry
+    return math.prod(_nested_size(inner) for inner in entry) if isinstance(entry, tuple) else 0
 
 
 def _never_called(*_: Any) -> None:

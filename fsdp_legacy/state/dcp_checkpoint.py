@@ -31,6 +31,7 @@ from ..convert.dcp_files import (
     read_metadata,
     save_id_of,
     stamp_file,
+    written_metadata,
 )
 from ..convert.errors import CheckpointError
 from ..convert.record import FlatParamRecord, records_in_metadata
@@ -45,7 +46,8 @@ def save(state: dict[str, Any], checkpoint_id: str, *, process_group: dist.Proce
     if rank == 0:  # a side file left by an earlier save in this directory is not this save's
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(checkpoint_id, SIDE_FILE))
-    metadata = dcp.save(state, storage_writer=FileSystemWriter(checkpoint_id), process_group=process_group)
+    saved = dcp.save(state, storage_writer=FileSystemWriter(checkpoint_id), process_group=process_group)
+    metadata = written_metadata(saved, checkpoint_id)
     save_id = save_id_of(metadata)
     names = data_files(metadata)
     crcs: dict[str, int] = {}
