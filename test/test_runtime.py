@@ -88,7 +88,7 @@ def _several_forwards(use_orig_params: bool, prefetch: bool) -> None:
     """Two forwards then one backward; then a forward that is never backpropagated; then a normal step."""
     config = Config("transformer", "FULL_SHARD", "block", use_orig_params, forward_prefetch=prefetch)
     reference, ours = build_ours(config)
-    # (torch < 2.12's DDP re-broadcasts buffers in place at every forward, which breaks the first forward's backward)
+    # (torch 2.11's DDP re-broadcasts buffers in place at every forward, which breaks the first forward's backward)
     ddp = DDP(reference, broadcast_buffers=False)
     x1, x2 = models.Transformer.batch(dist.get_rank()), models.Transformer.batch(7 + dist.get_rank())
     our_opt, ddp_opt = optimizer(ours), optimizer(ddp)

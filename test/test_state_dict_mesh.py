@@ -324,7 +324,7 @@ def _local_state_dict_refused(mesh_shape: tuple[int, ...]) -> None:
                 with pytest.raises(RuntimeError, match=LOCAL_WITH_MESH) as optim_error:
                     fsdp.optim_state_dict(model, optim)
         messages[lib] = str(model_error.value), str(optim_error.value)
-        if len(model_error.value.args) > 1:  # torch < 2.12 passes the sentences as separate arguments: a tuple's repr
+        if len(model_error.value.args) > 1:  # torch 2.11 passes the sentences as separate arguments: a tuple's repr
             return
     assert messages[fsdp_legacy] == messages[torch_fsdp]
 

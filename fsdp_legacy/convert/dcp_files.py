@@ -260,7 +260,7 @@ def check_side_file(directory: str, side: SideFile, metadata: Metadata) -> None:
 
 def written_metadata(returned: Metadata, directory: str) -> Metadata:
     """The metadata of a save that dcp.save just wrote to `directory`: what it returned, or, where that lacks the
-    files and the save's identity (torch before 2.12), what it wrote."""
+    files and the save's identity (torch 2.11), what it wrote."""
     if returned.storage_data is not None:
         return returned
     return read_metadata(os.path.join(directory, METADATA_FILE))
@@ -376,7 +376,8 @@ def write_dcp(
             if isinstance(failure, RuntimeError) and _raised_by_torch_save(failure):  # a short write: a full disk
                 raise OSError(f"torch.save could not write an item ({failure})") from None
             raise failure from None
-        _stamp(temporary, written_metadata(metadata, temporary), {"model": source.side_records.values()} if source.side_records else {})
+        records = {"model": source.side_records.values()} if source.side_records else {}
+        _stamp(temporary, written_metadata(metadata, temporary), records)
         if before_commit is not None:
             before_commit(temporary)
 

@@ -235,7 +235,7 @@ def _mesh_place(mesh: _Inert) -> tuple[list[int], list[int], int]:
     elif isinstance(mesh.get("_layout"), _Inert) and mesh.field("_layout").get("axes") is not None:
         axes = mesh.field("_layout").field("axes")  # one _FlatLayout per mesh dimension
         sizes = [math.prod(axis.field("shape")) if isinstance(axis, _Inert) else 0 for axis in axes]
-    elif isinstance(mesh.get("_layout"), _Inert):  # torch 2.10 and 2.11: a nested shape, one entry per dimension
+    elif isinstance(mesh.get("_layout"), _Inert):  # torch 2.10 to 2.12: a nested shape, one entry per dimension
         shape = mesh.field("_layout").field("shape")
         sizes = [_nested_size(entry) for entry in (shape if isinstance(shape, tuple) else (shape,))]
     else:
