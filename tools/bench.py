@@ -188,8 +188,7 @@ def warm_up_cuda_libraries(wl: Workload, device: torch.device) -> None:
             loss = wl.loss(model)
         loss.float().backward()
     del model, loss
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
 
 
 def measure_peak_mib(impl: str, wl: Workload, device: torch.device) -> float:

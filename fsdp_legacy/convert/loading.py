@@ -229,14 +229,13 @@ def _rebuild_dtensor(args: Any, state: Any) -> LocalShards:
 def _mesh_place(mesh: _Inert) -> tuple[list[int], list[int], int]:
     """The mesh's shape, the saving rank's coordinate on it, and that rank, from a pickled DeviceMesh's attributes
     (torch >= 2.10 keeps the shape in `_layout`, earlier versions a `mesh` tensor of ranks)."""
-    rank, coordinate = mesh.get("_rank"), mesh.get("_coordinate_on_dim")
+    rank, coordinate, layout = mesh.get("_rank"), mesh.get("_coordinate_on_dim"), mesh.get("_layout")
     if mesh.get("mesh") is not None:
         sizes = list(mesh.field("mesh").shape)
-    elif isinstance(mesh.get("_layout"), _Inert) and mesh.field("_layout").get("axes") is not None:
-        axes = mesh.field("_layout").field("axes")  # one _FlatLayout per mesh dimension
-        sizes = [math.prod(axis.field("shape")) if isinstance(axis, _Inert) else 0 for axis in axes]
-    elif isinstance(mesh.get("_layout"), _Inert):  # torch 2.10 to 2.12: a nested shape, one entry per dimension
-        shape = mesh.field("_layout").field("shape")
+    elif isinstance(layout, _Inert) and layout.get("axes") is not None:  # one _FlatLayout per mesh dimension
+        sizes = [math.prod(axis.field("shape")) if isinstance(axis, _Inert) else 0 for axis in layout.field("axes")]
+    elif isinstance(layout, _Inert):  # torch 2.10 to 2.12: a nested shape, one entry per mesh dimension
+        shape = layout.field("shape")
         sizes = [_nested_size(entry) for entry in (shape if isinstance(shape, tuple) else (shape,))]
     else:
         raise pickle.UnpicklingError("a DeviceMesh without its shape")
