@@ -200,8 +200,12 @@ class Runtime:
         for handle in handles:
             handle.wait_unshard()
             handle.prepare_gradient_for_backward()
-            # Activation checkpointing re-runs the unit's forward during backward: the attributes must hold the data.
-            handle.use_unsharded_views()
+            # Activation checkpointing re-runs the unit's forward, or the part of it inside the unit, during backward:
+            # the attributes must hold the data, and (autograd runs hooks without grad) views that require grad as in
+            # forward. Otherwise a reentrant re-run gives the parameters no gradient, and a non-reentrant one saves
+            # fewer tensors than the forward did and raises.
+            with torch.enable_grad():
+                handle.use_unsharded_views()
 
     def post_backward(self, unit: FSDPUnit, handle: FlatParamHandle) -> None:
         """Runs once this backward's gradient has accumulated into one of the unit's unsharded flat parameters."""

@@ -1,8 +1,8 @@
 """Unmodified frameworks on fsdp_legacy through the supported switch (FSDP_LEGACY=1), against the same runs on torch's
-own FSDP1: Accelerate's FSDP plugin, Lightning's FSDPStrategy (Fabric and Trainer) and transformers' Trainer (with PEFT
-LoRA), each configuration trained on 2 CPU ranks, clipped, saved, loaded or resumed, and trained on
-(test/frameworks/run_*.py). Equal: losses, gradient norms, parameter dtypes, what was restored, the training after
-resuming, and every tensor of every checkpoint file.
+own FSDP1: Accelerate's FSDP plugin, Lightning's FSDPStrategy (Fabric and Trainer), transformers' Trainer (with PEFT
+LoRA) and TRL's SFT, DPO and GRPO trainers, each configuration trained on 2 CPU ranks, clipped, saved, loaded or
+resumed, and trained on (test/frameworks/run_*.py). Equal: losses, gradient norms, parameter dtypes, what was restored,
+the training after resuming, and every tensor of every checkpoint file.
 
 Needs the `frameworks` extra (pip install -e '.[frameworks]'); CI runs these with `pytest -m frameworks`.
 """
@@ -61,6 +61,12 @@ def transformers_runs(workdir: Path) -> tuple[dict, dict, Path, Path]:
     return _runs("run_transformers.py", workdir)
 
 
+@pytest.fixture(scope="module")
+def trl_runs(workdir: Path) -> tuple[dict, dict, Path, Path]:
+    pytest.importorskip("trl")
+    return _runs("run_trl.py", workdir)
+
+
 def _same_figures(ours: dict, theirs: dict) -> None:
     assert ours.keys() == theirs.keys()
     for name, mine in ours.items():
@@ -68,7 +74,7 @@ def _same_figures(ours: dict, theirs: dict) -> None:
         assert mine["fsdp"].startswith("fsdp_legacy") and torch_run["fsdp"].startswith("torch.distributed.fsdp")
         assert mine.keys() == torch_run.keys(), name
         for figure, value in mine.items():
-            if figure == "fsdp":
+            if figure in ("fsdp", "ref_fsdp"):  # the implementations (checked above and in the tests)
                 continue
             if figure.startswith("params_"):  # parameter checksums by name
                 assert value.keys() == torch_run[figure].keys(), f"{name}: {figure}"
@@ -183,4 +189,25 @@ def test_transformers_trainer_and_peft_lora_train_save_and_resume_as_on_torch_fs
 
 def test_transformers_checkpoints_hold_torch_fsdp1s_tensors(transformers_runs: tuple) -> None:
     _, _, ours, theirs = transformers_runs
+    assert _same_checkpoints(ours, theirs) > 100
+
+
+def test_trl_sft_dpo_and_grpo_train_as_on_torch_fsdp1(trl_runs: tuple) -> None:
+    ours, theirs, _, _ = trl_runs
+    _same_figures(ours, theirs)
+    assert {r["config"]["trainer"] for r in ours.values()} == {"sft", "dpo", "grpo"}
+    for name, run in ours.items():
+        assert run["gradient_checkpointing"], "TRL's default, checkpointing inside the units, is under test"
+        assert max(run["logged_grad_norm"]) > 0.0
+        if run["config"]["trainer"] == "sft":  # resumed from checkpoint-3 to step 5
+            assert run["step"] == 5 and len(run["losses_after_resume"]) == 2
+        else:  # the reference model TRL wrapped itself
+            assert run["ref_fsdp"].startswith("fsdp_legacy") and run["params_ref_model"]
+            assert theirs[name]["ref_fsdp"].startswith("torch.distributed.fsdp")
+        if run["config"]["trainer"] == "grpo":  # completions sampled inside summon_full_params scored differently
+            assert max(run["logged_reward"]) > 0.0 and min(run["logged_frac_reward_zero_std"]) < 1.0
+
+
+def test_trl_checkpoints_hold_torch_fsdp1s_tensors(trl_runs: tuple) -> None:
+    _, _, ours, theirs = trl_runs
     assert _same_checkpoints(ours, theirs) > 100
