@@ -199,8 +199,9 @@ def test_trl_sft_dpo_and_grpo_train_as_on_torch_fsdp1(trl_runs: tuple) -> None:
     for name, run in ours.items():
         assert run["gradient_checkpointing"], "TRL's default, checkpointing inside the units, is under test"
         assert max(run["logged_grad_norm"]) > 0.0
-        if run["config"]["trainer"] == "sft":  # resumed from checkpoint-3 to step 5
-            assert run["step"] == 5 and len(run["losses_after_resume"]) == 2
+        if run["config"]["trainer"] == "sft":
+            if not run["config"]["lora"]:  # resumed from checkpoint-3 to step 5
+                assert run["step"] == 5 and len(run["losses_after_resume"]) == 2
         else:  # the reference model TRL wrapped itself
             assert run["ref_fsdp"].startswith("fsdp_legacy") and run["params_ref_model"]
             assert theirs[name]["ref_fsdp"].startswith("torch.distributed.fsdp")

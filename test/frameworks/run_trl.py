@@ -1,12 +1,13 @@
-"""TRL's trainers with transformers' FSDP1 settings (built through Accelerate) on 2 CPU ranks: SFT (train, save,
-resume), DPO with a reference model that TRL wraps itself (`trl.models.prepare_fsdp`: FullyShardedDataParallel(...)
-with the plugin's arguments), and GRPO, which samples completions from the training model inside
-`FSDP.summon_full_params(model, recurse=False)` and scores them against a wrapped reference model. See common.py for
-the contract with test_frameworks.py.
+"""TRL's trainers with transformers' FSDP1 settings (built through Accelerate) on 2 CPU ranks: SFT (train, save, resume;
+PEFT LoRA; gradient accumulation), DPO with a reference model that TRL wraps itself (`trl.models.prepare_fsdp`:
+FullyShardedDataParallel(...) with the plugin's arguments), and GRPO, which samples completions from the training model
+inside `FSDP.summon_full_params(model, recurse=False)` and scores them against a wrapped reference model. See common.py
+for the contract with test_frameworks.py.
 
 The model is a tiny Llama saved to disk with a word-level tokenizer, and passed by path, as TRL's users pass a model id;
 TRL loads the reference models from the same path. On CPU the trainers' Accelerator silently uses DDP, so the trainer
-subclasses set its state to FSDP as run_transformers.py does.
+subclasses set its state to FSDP as run_transformers.py does. TRL's defaults otherwise, gradient checkpointing (inside
+each decoder layer, so inside each unit) included.
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ class Run:
     use_orig_params: bool
     state_dict_type: str = "FULL_STATE_DICT"
     bf16: bool = False
+    lora: bool = False  # peft_config: TRL makes the PEFT model itself
+    accumulation: int = 1  # gradient_accumulation_steps (Accelerate's no_sync between them)
 
 
 RUNS = [
     Run("sft_full", "sft", use_orig_params=False),
     Run("sft_bf16_sharded_uop", "sft", use_orig_params=True, state_dict_type="SHARDED_STATE_DICT", bf16=True),
+    Run("sft_lora_uop", "sft", use_orig_params=True, lora=True),
+    Run("sft_accumulating", "sft", use_orig_params=False, accumulation=2),
     Run("dpo_ref_model", "dpo", use_orig_params=False),
     Run("dpo_ref_model_uop", "dpo", use_orig_params=True, state_dict_type="SHARDED_STATE_DICT"),
     Run("grpo_generate_in_summon", "grpo", use_orig_params=False),
@@ -148,6 +153,7 @@ def trainer(run: Run, model_path: str, directory: str, steps: int) -> Any:
         },
         bf16=run.bf16,
         max_steps=steps,
+        gradient_accumulation_steps=run.accumulation,
         per_device_train_batch_size=4,
         learning_rate=1e-2,
         lr_scheduler_type="constant",
@@ -161,7 +167,11 @@ def trainer(run: Run, model_path: str, directory: str, steps: int) -> Any:
         disable_tqdm=True,
         **specific,
     )
-    extra = {"reward_funcs": reward_w0} if run.trainer == "grpo" else {}
+    extra: dict[str, Any] = {"reward_funcs": reward_w0} if run.trainer == "grpo" else {}
+    if run.lora:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     return on_cpu(trainer_class)(
         model=model_path,
         args=args,
@@ -205,7 +215,7 @@ def train_run(run: Run, impl: str, directory: str) -> dict:
     result |= figures(first.state.log_history)
     result["params_after_training"] = checksum(full_params(wrapped))
     dist.barrier()
-    if run.trainer == "sft":
+    if run.trainer == "sft" and not run.lora:  # (LoRA under FSDP1 saves no adapter: see run_transformers.py)
         second = trainer(run, model_path, directory, steps=STEPS + 2)
         second.train(resume_from_checkpoint=os.path.join(directory, "checkpoint-3"))
         check_impl(impl, second.model_wrapped)
