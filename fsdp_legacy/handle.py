@@ -12,6 +12,7 @@ A unit whose parameters differ in dtype has one handle per dtype; each is what i
 
 from collections.abc import Callable, Sequence
 from enum import auto
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -211,12 +212,13 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
             self.full_padded = self.local_shard
 
     @torch.no_grad()
-    def adopt_replaced_flat_param(self) -> None:
+    def adopt_replaced_flat_param(self, keep_device: bool = False) -> None:
         """Called at the first forward, as torch's FSDP1 reads the flat parameter again at its lazy init: frameworks
         replace its data after wrapping (Accelerate upcasts low-precision flat parameters to float32 by assigning
         `_flat_param.data`, and sets `_handle._orig_param_dtype`). The new data becomes the local shard, and as in
         torch a dtype other than `_orig_param_dtype` also becomes the compute dtype and the reduce dtype where
-        MixedPrecision did not set them."""
+        MixedPrecision did not set them. The shard goes back where it lives (the CPU when offloaded, else the compute
+        device) unless `keep_device` (flat_param_to)."""
         data, shard = self.flat_param.data, self.local_shard
         if self.is_unsharded and self.uses_buffer:
             return  # only at rest is .data the local shard
@@ -234,10 +236,8 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
                 if not self._reduce_dtype_given:
                     self.reduce_dtype = data.dtype
             self._orig_param_dtype = data.dtype
-        if self.offload and data.device.type != "cpu":
-            data = data.to("cpu")
-        elif not self.offload and data.device != self.compute_device:
-            data = data.to(self.compute_device)
+        if not keep_device:
+            data = data.to("cpu" if self.offload else self.compute_device)
         self.local_shard = data
         self._set_precision(data.dtype)
         self._allocate_unsharded()
@@ -247,6 +247,22 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
         else:
             self._placeholders = {i: self._placeholder(i, data.dtype) for i in self._placeholders}
             self.drop_unsharded_views()
+
+    @torch.no_grad()
+    def flat_param_to(self, *args: Any, **kwargs: Any) -> None:
+        """torch's `FlatParamHandle.flat_param_to`: the flat parameter moved in place by `.to(*args, **kwargs)`, at
+        rest. verl offloads a model's parameters between its training steps this way (to the CPU, then back to the
+        GPU, assigning `_local_shard` after each move): the moved data becomes the local shard at once, so the old
+        storage is released and the next unshard gathers the new one. The unsharded buffer stays on the compute
+        device, and a shard elsewhere is copied there to be gathered (NO_SHARD in full precision computes on the shard
+        itself, so it needs it back on the compute device)."""
+        if self.training_state != HandleTrainingState.IDLE or (self.is_unsharded and self.uses_buffer):
+            raise RuntimeError(
+                f"flat_param_to() on the FSDP unit holding {', '.join(self.flat_param._fqns)} while it is unsharded "
+                "(inside forward, backward or summon_full_params): move it between iterations."
+            )
+        self.flat_param.data = self.flat_param.detach().to(*args, **kwargs)
+        self.adopt_replaced_flat_param(keep_device=True)
 
     @property
     def _offload_params(self) -> bool:  # torch's name
