@@ -87,6 +87,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
         self.new_grad: torch.Tensor | None = None  # this backward's reduced sharded gradient
         self.unsynced_grad: torch.Tensor | None = None  # unsharded gradients accumulated under no_sync()
         self.needs_pre_backward = False  # set in forward, cleared by the first pre-backward hook
+        self.backward_task = -1  # autograd's graph task of the last backward that reached the handle
         self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
 

@@ -188,11 +188,13 @@ class Runtime:
     def _pre_backward(self, unit: FSDPUnit, grad: torch.Tensor) -> None:
         self._queue_backward_callback()
         unit.training_state = TrainingState.FORWARD_BACKWARD
-        handles = [handle for handle in unit._handles if handle.needs_pre_backward]
+        task = torch._C._current_graph_task_id()
+        handles = [handle for handle in unit._handles if handle.needs_pre_backward or _backward_again(handle, task)]
         if not handles:
             return
         for handle in handles:
             handle.needs_pre_backward = False
+            handle.backward_task = task
             handle.training_state = HandleTrainingState.BACKWARD_PRE
         self._issue_unshard(unit, backward=True)
         if unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
@@ -334,6 +336,15 @@ def _inside_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (a forward re-run for activation
     checkpointing, say), as torch.utils.checkpoint asks it."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _backward_again(handle: FlatParamHandle, task: int) -> bool:
+    """A graph kept by `retain_graph=True` backpropagated once more (`loss.backward(retain_graph=True)` twice, two
+    losses of one forward, `autograd.grad` of an activation before `backward()`): an earlier backward (another graph
+    task) ended, which resharded every unit, whether it reached the unit or not. A hook firing for a unit at rest means
+    autograd needs its parameters again, so it gathers them again, and the gradients of the backwards add up, as
+    without FSDP. torch's FSDP1 does not: autograd then reads the freed storage and raises."""
+    return handle.training_state == HandleTrainingState.IDLE and handle.backward_task != task
 
 
 def _neighbour(order: list[FSDPUnit], unit: FSDPUnit, step: int) -> FSDPUnit | None:

@@ -1,0 +1,83 @@
+"""A graph kept with `retain_graph=True` and backpropagated again: `loss.backward(retain_graph=True)` twice, two losses
+of one forward backpropagated one after the other, and `torch.autograd.grad` of an activation before `backward()`.
+Each backward ends by resharding every unit; the next one gathers again where autograd needs the parameters, and the
+gradients of the backwards add up.
+
+Oracle: the plain model on each rank, its gradients averaged over the ranks after the backwards (an all-reduce), which
+is what data parallelism means here; DDP's reducer expects one backward per forward and is not one. torch's FSDP1
+reads the freed storage in the second backward and raises (docs/compatibility.md, Differences on purpose).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from fsdp_utils import Config, assert_close, build_ours, build_torch_fsdp, full_params
+from harness import run_on_ranks
+
+STEPS = 3
+
+
+def _backwards(model: torch.nn.Module, pattern: str, x: torch.Tensor) -> None:
+    out = model(x)
+    if pattern == "twice":
+        loss = out.pow(2).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif pattern == "two_losses":
+        out.pow(2).mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+    else:  # an activation's gradient first (a saliency map, a gradient penalty's first part), then backward
+        loss = out.pow(2).mean()
+        (grad,) = torch.autograd.grad(loss, [out], retain_graph=True)
+        assert grad.shape == out.shape
+        loss.backward()
+
+
+def _train(pattern: str, strategy: str, use_orig_params: bool) -> None:
+    config = Config("transformer", strategy, "block", use_orig_params, steps=STEPS)
+    reference, ours = build_ours(config)
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) for model in (ours, reference)]
+    for step in range(STEPS):
+        x = models.Transformer.batch(100 * step + dist.get_rank())
+        for model, opt in zip((ours, reference), optimizers, strict=True):
+            _backwards(model, pattern, x)
+            if model is reference:
+                for param in reference.parameters():
+                    dist.all_reduce(param.grad)
+                    param.grad /= dist.get_world_size()
+            opt.step()
+            opt.zero_grad()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), f"{pattern}: {name}")
+
+
+def _torch_fsdp1_raises(pattern: str) -> None:
+    theirs = build_torch_fsdp(Config("transformer", "FULL_SHARD", "block", False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="out of bounds for storage of size 0"):
+            _backwards(theirs, pattern, models.Transformer.batch(dist.get_rank()))
+
+
+PATTERNS = ["twice", "two_losses", "activation_grad_first"]
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_retained_graph_backpropagated_again_trains_as_without_fsdp(
+    pattern: str, strategy: str, use_orig_params: bool
+) -> None:
+    run_on_ranks(_train, 2, pattern, strategy, use_orig_params)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_torch_fsdp1_cannot(pattern: str) -> None:
+    run_on_ranks(_torch_fsdp1_raises, 2, pattern)
