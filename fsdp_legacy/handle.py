@@ -88,6 +88,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
         self.unsynced_grad: torch.Tensor | None = None  # unsharded gradients accumulated under no_sync()
         self.needs_pre_backward = False  # set in forward, cleared by the first pre-backward hook
         self.backward_task = -1  # autograd's graph task of the last backward that reached the handle
+        self.kept_gathered = False  # resharded with the unsharded storage kept (finish_backward)
         self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
 
@@ -330,8 +331,9 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
             # keeps its inputs, is released (gloo's may outlive wait()).
             free_storage(gather_input)
 
-    def reshard(self) -> None:
-        """Back to the local shard and free the unsharded storage."""
+    def reshard(self, free: bool = True) -> None:
+        """Back to the local shard and free the unsharded storage (unless `free` is False: finish_backward)."""
+        self.kept_gathered = self.uses_buffer and not free
         self.drop_unsharded_views()
         if not self.uses_buffer:
             return
@@ -340,7 +342,8 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
         if self.is_unsharded:
             self.flat_param.data = self.local_shard
             self.is_unsharded = False
-        free_storage(self.full_padded)
+        if free:
+            free_storage(self.full_padded)
 
     def keep_unsharded_after_forward(self) -> None:
         """Forward is over and the unit stays gathered for backward. As in torch, SHARD_GRAD_OP keeps showing the
@@ -451,9 +454,11 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
     # ----------------------------------------------------------------------------------------------------------------
     # End of backward (what becomes of the gradients: flat_param_grads.py)
 
-    def finish_backward(self) -> None:
-        """End of backward: back to the shard, with this backward's gradient added to the sharded gradient."""
-        self.reshard()
+    def finish_backward(self, free: bool = True) -> None:
+        """End of backward: back to the shard, with this backward's gradient added to the sharded gradient. With
+        `free` False (a backward with create_graph=True: runtime.py) the unsharded storage, which that backward's
+        graph saved views of, keeps its data until the next iteration; a backward that needs it gathers it again."""
+        self.reshard(free)
         self._settle_grads()
         self.training_state = HandleTrainingState.IDLE
         self.needs_pre_backward = False

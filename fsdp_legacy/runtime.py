@@ -142,11 +142,12 @@ class Runtime:
             self.previous_forward_order, self.forward_order = self.forward_order, []
             self.iteration_done = False
             self.frozen_runs.clear()
-            # A unit gathered ahead (a group, a prefetch) that the last iteration did not run: its gather may predate
-            # an optimizer step or a load, so it is dropped rather than used.
+            # A unit gathered ahead (a group, a prefetch) that the last iteration did not run, or whose unsharded
+            # storage a backward with create_graph=True kept: its gather may predate an optimizer step or a load, so
+            # it is dropped rather than used.
             for unit in self.units:
                 for handle in unit._handles:
-                    if handle.unshard_work is not None:
+                    if handle.unshard_work is not None or handle.kept_gathered:
                         self._reshard(handle)
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
         self.full_precision_eval = not self.root.training and os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
@@ -257,9 +258,13 @@ class Runtime:
     def _end_of_backward(self) -> None:
         self._issue_reductions(self.reduce_bucket.flush())
         self._finish_reductions()
+        # A backward with create_graph=True (a gradient penalty's `autograd.grad(out, x, create_graph=True)`, a
+        # Hessian-vector product) built a graph that saved views of the gathered parameters: a backward of that graph
+        # reads them, possibly before any hook of ours runs, so their storage keeps its data until the next iteration.
+        higher_order = _inside_backward() and torch.is_grad_enabled()
         for unit in self.units:
             for handle in unit._handles:
-                handle.finish_backward()
+                handle.finish_backward(free=not higher_order)
             unit.training_state = TrainingState.IDLE
         self.reshard_events.clear()
         self.frozen_runs.clear()

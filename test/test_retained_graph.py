@@ -1,11 +1,13 @@
 """A graph kept with `retain_graph=True` and backpropagated again: `loss.backward(retain_graph=True)` twice, two losses
 of one forward backpropagated one after the other, and `torch.autograd.grad` of an activation before `backward()`.
 Each backward ends by resharding every unit; the next one gathers again where autograd needs the parameters, and the
-gradients of the backwards add up.
+gradients of the backwards add up. And a gradient penalty (WGAN-GP's): `torch.autograd.grad(out, x,
+create_graph=True)` builds a graph that saved views of the gathered parameters, so the units stay gathered until the
+loss's backward, which goes through that graph, is over.
 
 Oracle: the plain model on each rank, its gradients averaged over the ranks after the backwards (an all-reduce), which
 is what data parallelism means here; DDP's reducer expects one backward per forward and is not one. torch's FSDP1
-reads the freed storage in the second backward and raises (docs/compatibility.md, Differences on purpose).
+reads the freed storage in the second backward and raises, in all four (docs/compatibility.md, Differences on purpose).
 """
 
 from __future__ import annotations
@@ -58,12 +60,48 @@ def _train(pattern: str, strategy: str, use_orig_params: bool) -> None:
         assert_close(full[name], param.detach(), f"{pattern}: {name}")
 
 
+def _penalised_backward(model: torch.nn.Module, x: torch.Tensor) -> None:
+    """A critic's loss with WGAN-GP's gradient penalty on its inputs."""
+    x = x.detach().requires_grad_(True)
+    out = model(x)
+    (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (out.pow(2).mean() + (grad.norm(dim=1) - 1).pow(2).mean()).backward()
+
+
+def _train_with_gradient_penalty(strategy: str, use_orig_params: bool) -> None:
+    config = Config("net", strategy, "block", use_orig_params, steps=STEPS)
+    reference, ours = build_ours(config)
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) for model in (ours, reference)]
+    for step in range(STEPS):
+        x = models.Net.batch(100 * step + dist.get_rank())
+        for model, opt in zip((ours, reference), optimizers, strict=True):
+            _penalised_backward(model, x)
+            if model is reference:
+                for param in reference.parameters():
+                    dist.all_reduce(param.grad)
+                    param.grad /= dist.get_world_size()
+            elif step == 1:  # a penalty only looked at, never backpropagated, before the optimizer step
+                inputs = x.detach().requires_grad_(True)
+                (grad,) = torch.autograd.grad(model(inputs).sum(), inputs, create_graph=True)
+                assert grad.requires_grad
+                del grad
+            opt.step()
+            opt.zero_grad()
+    full = full_params(ours)
+    for name, param in reference.named_parameters():
+        assert_close(full[name], param.detach(), f"gradient penalty: {name}")
+
+
 def _torch_fsdp1_raises(pattern: str) -> None:
-    theirs = build_torch_fsdp(Config("transformer", "FULL_SHARD", "block", False))
+    model = "net" if pattern == "gradient_penalty" else "transformer"
+    theirs = build_torch_fsdp(Config(model, "FULL_SHARD", "block", False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(RuntimeError, match="out of bounds for storage of size 0"):
-            _backwards(theirs, pattern, models.Transformer.batch(dist.get_rank()))
+            if pattern == "gradient_penalty":
+                _penalised_backward(theirs, models.Net.batch(dist.get_rank()))
+            else:
+                _backwards(theirs, pattern, models.Transformer.batch(dist.get_rank()))
 
 
 PATTERNS = ["twice", "two_losses", "activation_grad_first"]
@@ -78,6 +116,12 @@ def test_a_retained_graph_backpropagated_again_trains_as_without_fsdp(
     run_on_ranks(_train, 2, pattern, strategy, use_orig_params)
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_a_gradient_penalty_trains_as_without_fsdp(strategy: str, use_orig_params: bool) -> None:
+    run_on_ranks(_train_with_gradient_penalty, 2, strategy, use_orig_params)
+
+
+@pytest.mark.parametrize("pattern", [*PATTERNS, "gradient_penalty"])
 def test_torch_fsdp1_cannot(pattern: str) -> None:
     run_on_ranks(_torch_fsdp1_raises, 2, pattern)
