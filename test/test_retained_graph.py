@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import models
-from fsdp_utils import Config, assert_close, build_ours, build_torch_fsdp, full_params
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_utils import MODELS, Config, assert_close, build_ours, build_torch_fsdp, full_params
 from harness import run_on_ranks
 
 STEPS = 3
@@ -41,14 +42,16 @@ def _backwards(model: torch.nn.Module, pattern: str, x: torch.Tensor) -> None:
         loss.backward()
 
 
-def _train(pattern: str, strategy: str, use_orig_params: bool) -> None:
-    config = Config("transformer", strategy, "block", use_orig_params, steps=STEPS)
+def _train_against_the_plain_model(model_name: str, strategy: str, use_orig_params: bool, backwards) -> None:  # type: ignore[no-untyped-def]
+    """Ours and the plain model trained alike, `backwards(model, x, step)` making each step's gradients; the plain
+    model's are then averaged over the ranks. Ours must end equal to it."""
+    config = Config(model_name, strategy, "block", use_orig_params, steps=STEPS)
     reference, ours = build_ours(config)
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) for model in (ours, reference)]
     for step in range(STEPS):
-        x = models.Transformer.batch(100 * step + dist.get_rank())
+        x = MODELS[model_name][1](100 * step + dist.get_rank())
         for model, opt in zip((ours, reference), optimizers, strict=True):
-            _backwards(model, pattern, x)
+            backwards(model, x, step)
             if model is reference:
                 for param in reference.parameters():
                     dist.all_reduce(param.grad)
@@ -57,7 +60,13 @@ def _train(pattern: str, strategy: str, use_orig_params: bool) -> None:
             opt.zero_grad()
     full = full_params(ours)
     for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), f"{pattern}: {name}")
+        assert_close(full[name], param.detach(), name)
+
+
+def _train(pattern: str, strategy: str, use_orig_params: bool) -> None:
+    _train_against_the_plain_model(
+        "transformer", strategy, use_orig_params, lambda model, x, step: _backwards(model, pattern, x)
+    )
 
 
 def _penalised_backward(model: torch.nn.Module, x: torch.Tensor) -> None:
@@ -69,27 +78,14 @@ def _penalised_backward(model: torch.nn.Module, x: torch.Tensor) -> None:
 
 
 def _train_with_gradient_penalty(strategy: str, use_orig_params: bool) -> None:
-    config = Config("net", strategy, "block", use_orig_params, steps=STEPS)
-    reference, ours = build_ours(config)
-    optimizers = [torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) for model in (ours, reference)]
-    for step in range(STEPS):
-        x = models.Net.batch(100 * step + dist.get_rank())
-        for model, opt in zip((ours, reference), optimizers, strict=True):
-            _penalised_backward(model, x)
-            if model is reference:
-                for param in reference.parameters():
-                    dist.all_reduce(param.grad)
-                    param.grad /= dist.get_world_size()
-            elif step == 1:  # a penalty only looked at, never backpropagated, before the optimizer step
-                inputs = x.detach().requires_grad_(True)
-                (grad,) = torch.autograd.grad(model(inputs).sum(), inputs, create_graph=True)
-                assert grad.requires_grad
-                del grad
-            opt.step()
-            opt.zero_grad()
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), f"gradient penalty: {name}")
+    def backwards(model: torch.nn.Module, x: torch.Tensor, step: int) -> None:
+        _penalised_backward(model, x)
+        if step == 1 and isinstance(model, FSDP):  # a penalty only looked at, never backpropagated, before a step
+            inputs = x.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(model(inputs).sum(), inputs, create_graph=True)
+            assert grad.requires_grad
+
+    _train_against_the_plain_model("net", strategy, use_orig_params, backwards)
 
 
 def _torch_fsdp1_raises(pattern: str) -> None:

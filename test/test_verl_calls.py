@@ -17,7 +17,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fsdp_legacy
 import models
@@ -52,9 +51,9 @@ def _local_shards(model: torch.nn.Module) -> list[torch.Tensor]:
     return [handle.flat_param.detach().clone() for handle in model._all_handles]
 
 
-def _offload_between_steps(strategy: str, use_orig_params: bool) -> None:
-    from torch.distributed.fsdp._runtime_utils import _lazy_init as torch_lazy_init
-
+def _side_by_side(strategy: str, use_orig_params: bool, between_steps) -> None:  # type: ignore[no-untyped-def]
+    """Ours, torch's FSDP1 and DDP trained alike, `between_steps(step, ours, theirs)` after each step; then ours must
+    equal DDP."""
     config = Config("transformer", strategy, "block", use_orig_params, steps=STEPS)
     reference, ours = build_ours(config)
     theirs = build_torch_fsdp(config)
@@ -65,19 +64,28 @@ def _offload_between_steps(strategy: str, use_orig_params: bool) -> None:
             loss_of(model(batch(config, step))).backward()
             opt.step()
             opt.zero_grad()
-        moved = _move_parameters(ours, _our_lazy_init)
-        assert all(before != after for before, after in moved), "each move gives the shard new storage"
-        for handle in ours._all_handles:  # nothing of ours keeps the storage the shard left
-            assert handle.local_shard.data_ptr() == handle.flat_param.data_ptr()
-            if use_orig_params:
-                for info, param in handle.orig_params.items():
-                    assert param.numel() == 0 or handle.local_shard.data_ptr() <= param.data_ptr(), info.fqn
-        _move_parameters(theirs, torch_lazy_init)
-        for unit, (mine, expected) in enumerate(zip(_local_shards(ours), _local_shards(theirs), strict=True)):
-            assert_close(mine, expected, f"step {step}, unit {unit}: local shard vs torch FSDP1")
+        between_steps(step, ours, theirs)
     full = full_params(ours)
     for name, param in reference.named_parameters():
         assert_close(full[name], param.detach(), f"{name} vs DDP")
+
+
+def _offload_between_steps(strategy: str, use_orig_params: bool) -> None:
+    _side_by_side(strategy, use_orig_params, _offload_and_load)
+
+
+def _offload_and_load(step: int, ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    from torch.distributed.fsdp._runtime_utils import _lazy_init as torch_lazy_init
+
+    moved = _move_parameters(ours, _our_lazy_init)
+    assert all(before != after for before, after in moved), "each move gives the shard new storage"
+    for handle in ours._all_handles:  # nothing of ours keeps the storage the shard left
+        assert handle.local_shard.data_ptr() == handle.flat_param.data_ptr()
+        for info, param in handle.orig_params.items():  # (use_orig_params: views of the new shard)
+            assert param.numel() == 0 or handle.local_shard.data_ptr() <= param.data_ptr(), info.fqn
+    _move_parameters(theirs, torch_lazy_init)
+    for unit, (mine, expected) in enumerate(zip(_local_shards(ours), _local_shards(theirs), strict=True)):
+        assert_close(mine, expected, f"step {step}, unit {unit}: local shard vs torch FSDP1")
 
 
 def _our_lazy_init(state, root):  # type: ignore[no-untyped-def]
@@ -105,37 +113,27 @@ def test_moving_parameters_while_unsharded_raises() -> None:
 
 
 def _layered_summon(use_orig_params: bool) -> None:
-    config = Config("transformer", "FULL_SHARD", "block", use_orig_params, steps=STEPS)
-    reference, ours = build_ours(config)
-    theirs = build_torch_fsdp(config)
-    ddp = torch.nn.parallel.DistributedDataParallel(reference)
-    optimizers = [optimizer(model) for model in (ours, theirs, ddp)]
-    for step in range(STEPS):
-        for model, opt in zip((ours, theirs, ddp), optimizers, strict=True):
-            loss_of(model(batch(config, step))).backward()
-            opt.step()
-            opt.zero_grad()
-        summoned = []
-        for model in (ours, theirs):
-            fsdp = type(model)
-            found = {}
-            for name, unit in model.named_modules():
-                if name == "" or not isinstance(unit, fsdp) or not isinstance(unit.module, models.TransformerBlock):
-                    continue
-                unit._is_root = True
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    with fsdp.summon_full_params(unit, writeback=False):
-                        found |= {f"{name}.{n}": p.detach().clone() for n, p in unit.named_parameters()}
-                unit._is_root = False
-            summoned.append(found)
-        assert list(summoned[0]) == list(summoned[1]) and summoned[0]
-        for key, value in summoned[0].items():
-            assert_close(value, summoned[1][key], f"step {step}: summoned {key} vs torch FSDP1")
-    full = full_params(ours)
-    for name, param in reference.named_parameters():
-        assert_close(full[name], param.detach(), f"{name} vs DDP")
-    dist.barrier()
+    _side_by_side("FULL_SHARD", use_orig_params, _summon_blocks_as_roots)
+
+
+def _summon_blocks_as_roots(step: int, ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    summoned = []
+    for model in (ours, theirs):
+        fsdp = type(model)
+        found = {}
+        for name, unit in model.named_modules():
+            if name == "" or not isinstance(unit, fsdp) or not isinstance(unit.module, models.TransformerBlock):
+                continue
+            unit._is_root = True
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with fsdp.summon_full_params(unit, writeback=False):
+                    found |= {f"{name}.{n}": p.detach().clone() for n, p in unit.named_parameters()}
+            unit._is_root = False
+        summoned.append(found)
+    assert list(summoned[0]) == list(summoned[1]) and summoned[0]
+    for key, value in summoned[0].items():
+        assert_close(value, summoned[1][key], f"step {step}: summoned {key} vs torch FSDP1")
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])

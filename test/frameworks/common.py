@@ -98,6 +98,48 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         }
 
 
+def hf_fsdp_arguments(use_orig_params: bool, state_dict_type: str) -> dict[str, Any]:
+    """transformers' TrainingArguments (and TRL's configs, which extend them) for FSDP1 on CPU ranks, per
+    LlamaDecoderLayer. sync_module_states=False: the Trainer's default True makes Accelerate's plugin look for a GPU."""
+    return dict(
+        use_cpu=True,
+        fsdp=True,
+        fsdp_config={
+            "version": 1,
+            "reshard_after_forward": "full_shard",
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+            "use_orig_params": use_orig_params,
+            "state_dict_type": state_dict_type,
+            "sync_module_states": False,
+        },
+    )
+
+
+def hf_trainer_on_cpu(base: type) -> type:
+    """`base` (transformers' Trainer or a TRL trainer) with its accelerator's state set to FSDP after it is built, as
+    Accelerate's FSDP branch would on a GPU: on CPU the Trainer's Accelerator silently uses DDP. The Trainer is told
+    (`is_fsdp_enabled`) and then wraps, clips, saves and loads through FSDP as on a GPU."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    class OnCPU(base):  # type: ignore[misc, valid-type]
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if self.args.fsdp_plugin_args is None or self.is_fsdp_enabled:
+                return
+            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)  # as the Trainer builds it
+            state = self.accelerator.state
+            state.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            state.fsdp_plugin = plugin
+            if self.accelerator.mixed_precision != "no":
+                plugin.set_mixed_precision(self.accelerator.mixed_precision)
+            self.is_fsdp_enabled = True  # what the Trainer derives from state.fsdp_plugin (its checks then pass)
+
+    return OnCPU
+
+
 def compiled_graphs() -> int:
     """How many graphs torch.compile has built in this process so far (0: nothing was compiled)."""
     from torch._dynamo.utils import counters

@@ -2,10 +2,10 @@
 PEFT LoRA trained by the same Trainer, on 2 CPU ranks: train 3 steps, save a checkpoint, a new Trainer resumes from it
 to step 5 (not LoRA: see train_run), for each configuration; see common.py for the contract with test_frameworks.py.
 
-On CPU the Trainer's Accelerator silently uses DDP (Accelerate enables its FSDP plugin only for GPU-like backends): the
-Trainer subclass below sets the accelerator's state to FSDP as Accelerate's FSDP branch would, exactly as
-run_accelerate.py does, and tells the Trainer (`is_fsdp_enabled`), which then wraps, clips, saves and loads through
-FSDP as on a GPU. Accelerate passes device_id=cpu itself, which torch's FSDP1 needs on CPU.
+On CPU the Trainer's Accelerator silently uses DDP (Accelerate enables its FSDP plugin only for GPU-like backends): a
+Trainer subclass (common.hf_trainer_on_cpu) sets the accelerator's state to FSDP as Accelerate's FSDP branch would,
+exactly as run_accelerate.py does, and tells the Trainer (`is_fsdp_enabled`), which then wraps, clips, saves and loads
+through FSDP as on a GPU. Accelerate passes device_id=cpu itself, which torch's FSDP1 needs on CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +17,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import check_impl, checksum, compiled_graphs, full_params, parse_args, run_all
+from common import (
+    check_impl,
+    checksum,
+    compiled_graphs,
+    full_params,
+    hf_fsdp_arguments,
+    hf_trainer_on_cpu,
+    parse_args,
+    run_all,
+)
 
 
 @dataclass(frozen=True)
@@ -71,37 +80,11 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 
 
 def trainer(run: Run, net: Any, directory: str, steps: int):  # type: ignore[no-untyped-def]
-    from accelerate import FullyShardedDataParallelPlugin
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
     from transformers import Trainer, TrainingArguments
-
-    class OnCPU(Trainer):
-        def create_accelerator_and_postprocess(self) -> None:
-            super().create_accelerator_and_postprocess()
-            if self.args.fsdp_plugin_args is None or self.is_fsdp_enabled:
-                return
-            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)  # as the Trainer builds it
-            state = self.accelerator.state
-            state.distributed_type = DistributedType.FSDP
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            state.fsdp_plugin = plugin
-            if self.accelerator.mixed_precision != "no":
-                plugin.set_mixed_precision(self.accelerator.mixed_precision)
-            self.is_fsdp_enabled = True  # what the Trainer derives from state.fsdp_plugin (its checks then pass)
 
     args = TrainingArguments(
         output_dir=directory,
-        use_cpu=True,
-        fsdp=True,
-        fsdp_config={
-            "version": 1,
-            "reshard_after_forward": "full_shard",
-            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-            "use_orig_params": run.use_orig_params,
-            "state_dict_type": run.state_dict_type,
-            "sync_module_states": False,  # the Trainer's default True: Accelerate's plugin then needs a GPU device
-        },
+        **hf_fsdp_arguments(run.use_orig_params, run.state_dict_type),
         bf16=run.bf16,
         torch_compile=run.torch_compile,
         max_steps=steps,
@@ -116,7 +99,7 @@ def trainer(run: Run, net: Any, directory: str, steps: int):  # type: ignore[no-
         seed=0,
         disable_tqdm=True,
     )
-    return OnCPU(model=net, args=args, train_dataset=dataset())
+    return hf_trainer_on_cpu(Trainer)(model=net, args=args, train_dataset=dataset())
 
 
 def fsdp_model(trainer: Any) -> Any:

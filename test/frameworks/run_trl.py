@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import check_impl, checksum, full_params, parse_args, run_all
+from common import check_impl, checksum, full_params, hf_fsdp_arguments, hf_trainer_on_cpu, parse_args, run_all
 
 
 @dataclass(frozen=True)
@@ -102,29 +102,6 @@ def reward_w0(completions: list[str], **_: Any) -> list[float]:
     return [float(text.split().count("w0")) for text in completions]
 
 
-def on_cpu(base: type) -> type:
-    """`base` (a TRL trainer) with the accelerator's state set to FSDP, as Accelerate's FSDP branch would on a GPU."""
-    from accelerate import FullyShardedDataParallelPlugin
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
-    class OnCPU(base):  # type: ignore[misc, valid-type]
-        def create_accelerator_and_postprocess(self) -> None:
-            super().create_accelerator_and_postprocess()
-            if self.args.fsdp_plugin_args is None or self.is_fsdp_enabled:
-                return
-            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            state = self.accelerator.state
-            state.distributed_type = DistributedType.FSDP
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            state.fsdp_plugin = plugin
-            if self.accelerator.mixed_precision != "no":
-                plugin.set_mixed_precision(self.accelerator.mixed_precision)
-            self.is_fsdp_enabled = True
-
-    return OnCPU
-
-
 def trainer(run: Run, model_path: str, directory: str, steps: int) -> Any:
     import trl
     from transformers import AutoTokenizer
@@ -141,16 +118,7 @@ def trainer(run: Run, model_path: str, directory: str, steps: int) -> Any:
     }[run.trainer]
     args = config_class(
         output_dir=directory,
-        use_cpu=True,
-        fsdp=True,
-        fsdp_config={
-            "version": 1,
-            "reshard_after_forward": "full_shard",
-            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-            "use_orig_params": run.use_orig_params,
-            "state_dict_type": run.state_dict_type,
-            "sync_module_states": False,  # True makes Accelerate's plugin look for a GPU
-        },
+        **hf_fsdp_arguments(run.use_orig_params, run.state_dict_type),
         bf16=run.bf16,
         max_steps=steps,
         gradient_accumulation_steps=run.accumulation,
@@ -172,7 +140,7 @@ def trainer(run: Run, model_path: str, directory: str, steps: int) -> Any:
         from peft import LoraConfig
 
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    return on_cpu(trainer_class)(
+    return hf_trainer_on_cpu(trainer_class)(
         model=model_path,
         args=args,
         train_dataset=dataset(run),
