@@ -17,8 +17,10 @@ A unit alone over the budget is gathered and reduced alone, as before. The budge
 environment (MiB of unsharded parameters or gradients, in the dtype they are communicated in; read at the root's
 first forward), default `DEFAULT_BUCKET_MB`; 0 turns grouping off. Memory: a group's parameters are unsharded
 together, and up to a budget of unsharded gradients waits for its reduction, so each adds at most the budget to
-what one unit at a time holds, plus, while its collective is in flight, one buffer of the same size (each unit's
-unsharded parameters stay in their own storage, freed when it reshards). Each element is communicated and reduced
+what one unit at a time holds. The collectives' own buffers add little on top: a group's gather writes into one
+buffer, and each unit's unsharded storage (its own, freed when it reshards) is allocated only once the gather has
+completed; the bucket's gradients are let go one by one as they are copied for their reduction. Measured, the peak
+grows by 0.8x to 1.6x the budget against grouping off. Each element is communicated and reduced
 as it would be alone, with the same pre- and post-division, so the results are the same up to the order in which a
 backend sums more than two ranks' values.
 """
@@ -31,13 +33,13 @@ import torch
 from . import collectives as comm
 from .flat_param_grads import PendingReduction
 from .handle import FlatParamHandle
-from .storage import free_storage
+from .storage import alloc_storage, free_storage
 from .unit import FSDPUnit
 
 ENV_VAR = "FSDP_LEGACY_BUCKET_MB"
 # Units of up to a few hundred KiB (the latency-bound ones) group; a transformer block of a few MiB is communicated
-# alone, as before; and the extra memory (about 2.5x the budget at worst) is small next to any real model. On the
-# benchmark's deep MLP (129 KB units, 2 ranks) 0.5 MiB gave 0.52x torch FSDP1's step time, 1 MiB 0.41x.
+# alone, as before; and the extra memory (at most about 1.6x the budget, measured) is small next to any real model.
+# On the benchmark's deep MLP (129 KB units, 2 ranks) 0.5 MiB gave 0.52x torch FSDP1's step time, 1 MiB 0.41x.
 DEFAULT_BUCKET_MB = 1.0
 
 
@@ -86,9 +88,9 @@ def gather_group(first: FlatParamHandle, candidates: Iterable[FlatParamHandle], 
 
 def unshard_together(handles: Sequence[FlatParamHandle]) -> None:
     """Issue one all-gather for all of `handles`; each one's `wait_unshard` completes it (the first to wait fills
-    every handle's unsharded buffer)."""
+    every handle's unsharded buffer, allocated only then: while the gather is in flight its output holds the data)."""
     for handle in handles:
-        handle.prepare_unshard()
+        handle.writeback_orig_params()
     work = _GroupGather(handles)
     for handle in handles:
         handle.unshard_work = work
@@ -133,13 +135,15 @@ class _GroupGather:
         self._work.wait()
         self._work = None
         assert self._output is not None and self._input is not None
+        on_cpu = self._output.device.type == "cpu"
+        if on_cpu:  # free now rather than whenever the backend's work object, which keeps it, is released
+            free_storage(self._input)
         gathered = self._output.view(self._world_size, -1)
         for columns, handle in zip(gathered.split(self._sizes, dim=1), self._handles, strict=True):
+            alloc_storage(handle.full_padded)
             handle.full_padded.view(self._world_size, -1).copy_(columns)
-        if self._output.device.type == "cpu":
-            # Free both now rather than whenever the backend's work object, which keeps them, is released.
-            for tensor in (self._input, self._output):
-                free_storage(tensor)
+        if on_cpu:
+            free_storage(self._output)
         self._input = self._output = None
         self._handles = []
         return True
@@ -197,53 +201,34 @@ class ReduceBucket:
         if not entries:
             return []
         first = entries[0][0]
-        device, dtype = first.compute_device, first.reduce_dtype
-        sizes = [handle.layout.shard_numel for handle, _ in entries]
-        full = _side_by_side(entries, sizes, dtype, device)
         handles = [handle for handle, _ in entries]
-        del entries  # the unsharded gradients are in `full` now
+        full = _side_by_side(entries, first.reduce_dtype, first.compute_device)  # (empties `entries`)
         pre, post = comm.gradient_divide_factors(first.data_parallel_size)
         if pre > 1:
             full.div_(pre)
-        work = _GroupReduce(full, sizes, first.group)
+        outputs = [torch.empty(handle.layout.shard_numel, dtype=full.dtype, device=full.device) for handle in handles]
+        # Each unit's shard of the sum goes into its own tensor: a unit's `.grad` must not share storage with another's.
+        work = comm.reduce_scatter_pieces(outputs, full, first.group)
         return [
-            PendingReduction(handle, work, output, full, post)
-            for handle, output in zip(handles, work.outputs, strict=True)
+            PendingReduction(handle, work, output, full, post) for handle, output in zip(handles, outputs, strict=True)
         ]
 
 
 def _side_by_side(
-    entries: list[tuple[FlatParamHandle, torch.Tensor]], sizes: list[int], dtype: torch.dtype, device: torch.device
+    entries: list[tuple[FlatParamHandle, torch.Tensor]], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """The gradients laid out for one reduce-scatter: rank r's chunk holds every unit's chunk r, in order, so the
-    reduced chunk r is rank r's shards side by side."""
+    reduced chunk r is rank r's shards side by side. Each unsharded gradient is let go as soon as it is copied, so
+    the copy adds one unit's gradient to the bucket's size, not the bucket's size again."""
     world_size = entries[0][0].world_size
+    sizes = [handle.layout.shard_numel for handle, _ in entries]
     full = torch.empty(world_size * sum(sizes), dtype=dtype, device=device)
-    for columns, (_, grad) in zip(full.view(world_size, -1).split(sizes, dim=1), entries, strict=True):
+    entries.reverse()
+    for columns in full.view(world_size, -1).split(sizes, dim=1):
+        _, grad = entries.pop()
         columns.copy_(grad.view(world_size, -1))  # (casts to the reduce dtype, as reduce_grad's .to())
+        del grad
     return full
-
-
-class _GroupReduce:
-    """The reduce-scatter of several units' gradients side by side; wait() puts each unit's shard of the sum in its
-    own tensor (a unit's `.grad` must not share storage with another's)."""
-
-    def __init__(self, full: torch.Tensor, sizes: list[int], group) -> None:
-        self._sizes = sizes
-        self.outputs = [torch.empty(size, dtype=full.dtype, device=full.device) for size in sizes]
-        self._reduced: torch.Tensor | None = torch.empty(sum(sizes), dtype=full.dtype, device=full.device)
-        self._work: comm.Waitable | None = comm.reduce_scatter(self._reduced, full, group)
-
-    def wait(self) -> bool:
-        if self._work is None:
-            return True
-        self._work.wait()
-        self._work = None
-        assert self._reduced is not None
-        for output, piece in zip(self.outputs, self._reduced.split(self._sizes), strict=True):
-            output.copy_(piece)
-        self._reduced = None
-        return True
 
 
 def _grad_bytes(handle: FlatParamHandle) -> int:

@@ -48,20 +48,54 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+def reduce_scatter_pieces(outputs: list[torch.Tensor], full: torch.Tensor, group: dist.ProcessGroup) -> Waitable:
+    """`reduce_scatter` whose chunk is written, in order, into several 1-D `outputs` (their sizes add up to a chunk):
+    the reduced gradients of several units reduced together, each in its own tensor."""
+    if dist.get_backend(group) == "gloo":
+        return _AllReduceThenSlice(outputs, full, group)
+    return _ScatterThenSplit(outputs, full, group)
+
+
 class _AllReduceThenSlice:
     """gloo runs a reduce-scatter as an all-reduce on a temporary copy of its input. Reducing the input in place and
     keeping our chunk moves the same bytes without that full-size copy."""
 
-    def __init__(self, output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup):
-        self._output, self._full, self._rank = output, full, group.rank()
+    def __init__(self, output: torch.Tensor | list[torch.Tensor], full: torch.Tensor, group: dist.ProcessGroup):
+        self._outputs = output if isinstance(output, list) else [output]
+        self._full, self._rank = full, group.rank()
         self._work: dist.Work | None = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def wait(self) -> bool:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            self._output.copy_(self._full.view(-1, self._output.numel())[self._rank])
+            chunk_numel = sum(output.numel() for output in self._outputs)
+            _split_into(self._full.view(-1, chunk_numel)[self._rank], self._outputs)
         return True
+
+
+class _ScatterThenSplit:
+    """A reduce-scatter into one chunk-sized temporary, split into the outputs once it completes."""
+
+    def __init__(self, outputs: list[torch.Tensor], full: torch.Tensor, group: dist.ProcessGroup):
+        self._outputs = outputs
+        chunk_numel = sum(output.numel() for output in outputs)
+        self._chunk: torch.Tensor | None = torch.empty(chunk_numel, dtype=full.dtype, device=full.device)
+        self._work: Waitable | None = reduce_scatter(self._chunk, full, group)
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            assert self._chunk is not None
+            _split_into(self._chunk, self._outputs)
+            self._chunk = None
+        return True
+
+
+def _split_into(chunk: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+    for output, piece in zip(outputs, chunk.split([output.numel() for output in outputs]), strict=True):
+        output.copy_(piece)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Waitable:

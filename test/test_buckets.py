@@ -174,6 +174,17 @@ def test_estimator_counts_the_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     assert peaks["0.5"] > peaks["0"], peaks
 
 
+def test_peak_grows_by_less_than_twice_the_budget() -> None:
+    """What grouping costs in memory, against grouping off: a group's parameters gathered together and a budget of
+    gradients waiting for their reduction; each unit's unsharded buffer is allocated only once its group's gather
+    has completed, and each waiting gradient is let go once copied for the reduction, so the collectives' own buffers
+    add little on top. Measured 0.8x-1.6x the budget here; before either change, 2.06x at 0.25 MiB."""
+    off = run_on_ranks(_with_budget, 2, "0")[0].peak()
+    for budget in (0.125, 0.25, 0.5):
+        grown = run_on_ranks(_with_budget, 2, str(budget))[0].peak() - off
+        assert 0 < grown <= 1.75 * budget * 2**20, f"{budget} MiB: the peak grew by {grown / 2**20:.3f} MiB"
+
+
 def _with_budget(budget: str):
     os.environ[ENV_VAR] = budget
     try:
