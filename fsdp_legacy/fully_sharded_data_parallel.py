@@ -31,6 +31,7 @@ from .conversion import converting
 from .flat_param import FlatParameter, ParamRef, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
 from .runtime import Runtime
+from .same_model import check_same_model, describe_plan, describe_units
 from .state import optim_state as _optim_state
 from .state import optim_state_legacy as _optim_state_legacy
 from .state import state_dict as _state_dict
@@ -154,6 +155,7 @@ class FullyShardedDataParallel(FSDPUnit):
         )
         if sync_module_states:
             everyone = self.process_group if self._inter_node_pg is None else _get_default_group()
+            check_same_model(describe_plan(plan, module), (everyone,), self.compute_device)
             broadcast_from_rank0(plan.module_states, everyone)
         # Where each parameter reference stands among its module's (a unit with several flat parameters puts them
         # back in this order when it shows them: summon_full_params, FULL and SHARDED state dicts).
@@ -219,6 +221,7 @@ class FullyShardedDataParallel(FSDPUnit):
         if self._runtime is not None:
             return self._runtime
         units = FullyShardedDataParallel.fsdp_modules(self)
+        check_same_model(describe_units(self, units), (self.process_group, self._inter_node_pg), self.compute_device)
         runtime = Runtime(self, units)
         for unit in units:
             unit._is_root = unit is self

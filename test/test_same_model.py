@@ -1,0 +1,147 @@
+"""Ranks that wrap different models (same_model.py): every rank raises one ValueError that names the first difference,
+at the root's first forward or, with sync_module_states, at construction; torch's FSDP1 aborts, hangs or trains on
+mixed-up values there. Ranks that wrap the same model pass the check: the rest of the suite."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from parameterized import parameterized
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy import MixedPrecision, ShardingStrategy
+from fsdp_legacy.wrap import ModuleWrapPolicy
+from harness import run_on_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class Block(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def _model(difference: str, rank: int) -> tuple[nn.Module, dict]:
+    """Three blocks, except that the last rank's model differs as `difference` says."""
+    odd = rank == dist.get_world_size() - 1 and difference != "none"
+    widths = [4, 8, 8, 4]
+    if odd and difference == "width":
+        widths = [4, 8, 10, 4]
+    blocks = [Block(a, b) for a, b in zip(widths, widths[1:], strict=False)]
+    if odd and difference == "order":  # the same sizes everywhere: only the order of two parameters differs
+        fc = blocks[1].fc
+        weight, bias = fc._parameters.pop("weight"), fc._parameters.pop("bias")
+        fc.register_parameter("bias", bias)
+        fc.register_parameter("weight", weight)
+    if odd and difference == "depth":
+        blocks.append(Block(4, 4))
+    model = nn.Sequential(*blocks)
+    if odd and difference == "frozen":
+        model[1].fc.bias.requires_grad_(False)
+    kwargs: dict = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=difference == "frozen")
+    if odd and difference == "precision":
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
+    return model, kwargs
+
+
+def _wrap_and_step(difference: str, sync_module_states: bool) -> str:
+    torch.manual_seed(0)
+    model, kwargs = _model(difference, dist.get_rank())
+    try:
+        fsdp = FSDP(model, sync_module_states=sync_module_states, **kwargs)
+        fsdp(torch.randn(2, 4)).sum().backward()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@parameterized.expand(
+    [
+        ("width", "'1.fc.weight' of shape (8, 8)", "'1.fc.weight' of shape (10, 8)"),
+        ("order", "'1.fc.weight' of shape (8, 8)", "'1.fc.bias' of shape (8,)"),
+        ("depth", "no more units", "'3.fc.weight' of shape (4, 4)"),
+        ("frozen", "'1.fc.bias' of shape (8,), requires_grad=True", "requires_grad=False"),
+        ("precision", "gathered torch.float32", "gathered torch.bfloat16"),
+    ]
+)
+def test_every_rank_names_the_first_difference(difference: str, rank0_has: str, other_has: str) -> None:
+    for world_size in (2, 3):
+        errors = run_on_ranks(_wrap_and_step, world_size, difference, False)
+        assert len(set(errors)) == 1, errors  # the same error on every rank
+        assert "different model on different ranks" in errors[0], errors[0]
+        first, second = errors[0].split(" where ")
+        assert "group rank 0 has" in first and rank0_has in first, errors[0]
+        assert f"group rank {world_size - 1} has" in second and other_has in second, errors[0]
+
+
+def test_sync_module_states_compares_before_broadcasting() -> None:
+    errors = run_on_ranks(_wrap_and_step, 2, "width", True)
+    assert len(set(errors)) == 1, errors
+    # The innermost unit that differs is the second block: rank 1's is Linear(8, 10).
+    assert "parameter 'fc.weight' of shape (8, 8), torch.float32, in the unit wrapping a Block" in errors[0]
+    assert "of shape (10, 8)" in errors[0], errors[0]
+
+
+def test_the_same_model_passes() -> None:
+    assert run_on_ranks(_wrap_and_step, 2, "none", True) == ["no error"] * 2
+
+
+def _torch_mixes_up_values() -> bool:
+    """torch's FSDP1 on the "order" models: no error, and the parameters it gathers are not the model's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    torch.manual_seed(0)
+    model, _ = _model("order", dist.get_rank())
+    weight = model[1].fc.weight.detach().clone()
+    fsdp = TorchFSDP(model, auto_wrap_policy=TorchPolicy({Block}), device_id=torch.device("cpu"))
+    with TorchFSDP.summon_full_params(fsdp):
+        return torch.equal(model[1].fc.weight, weight)
+
+
+def test_torch_fsdp1_mixes_up_values_there() -> None:
+    """What the check prevents: torch's FSDP1 wraps those models without a word, and gathers another rank's bias
+    into one's weight."""
+    assert run_on_ranks(_torch_mixes_up_values, 2) == [False, False]
+    assert "rank 0 has parameter '1.fc.weight'" in run_on_ranks(_wrap_and_step, 2, "order", False)[0]
+
+
+def _hybrid(odd_rank: int) -> str:
+    shard, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    replicate, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    torch.manual_seed(0)
+    # (_model changes the last rank's model only: build that one on `odd_rank`)
+    model, kwargs = _model("width" if dist.get_rank() == odd_rank else "none", dist.get_world_size() - 1)
+    kwargs.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(shard, replicate))
+    try:
+        fsdp = FSDP(model, **kwargs)
+        fsdp(torch.randn(2, 4)).sum().backward()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_hybrid_ranks_all_raise() -> None:
+    """Rank 2 differs: ranks 0 and 3 see it in one of their groups; rank 1 sees it in neither, and raises too."""
+    errors = run_on_ranks(_hybrid, 4, 2)
+    assert all("different model on different ranks" in error for error in errors), errors
+    assert "this rank's groups agree, other ranks differ" in errors[1], errors[1]
+    for rank in (0, 2, 3):
+        assert "of shape (10, 8)" in errors[rank], errors[rank]
+
+
+def _mesh_2d() -> str:
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    model, kwargs = _model("none", 0)
+    FSDP(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh, **kwargs)(torch.randn(2, 4))
+    return "no error"
+
+
+def test_hybrid_same_model_passes() -> None:
+    assert run_on_ranks(_mesh_2d, 4) == ["no error"] * 4
