@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives as comm
+from .buckets import ENV_VAR, bucket_bytes_from_env
 from .naming import clean_fqn
 from .unit import FSDPUnit
 from .unit_plan import UnitPlan
@@ -26,7 +27,8 @@ from .unit_plan import UnitPlan
 
 def describe_units(root: nn.Module, units: Sequence[FSDPUnit]) -> list[str]:
     """One line per original parameter of every unit under `root`, with what decides each unit's collectives."""
-    lines = []
+    # Ranks that group units differently for their collectives (buckets.py) pair unrelated ones just the same.
+    lines = [f"a bucket budget ({ENV_VAR}) of {bucket_bytes_from_env()} bytes"]
     for name, module in root.named_modules():
         if not isinstance(module, FSDPUnit) or module not in units:
             continue

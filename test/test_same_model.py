@@ -2,6 +2,8 @@
 at the root's first forward or, with sync_module_states, at construction; torch's FSDP1 aborts, hangs or trains on
 mixed-up values there. Ranks that wrap the same model pass the check: the rest of the suite."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import MixedPrecision, ShardingStrategy
+from fsdp_legacy.buckets import ENV_VAR
 from fsdp_legacy.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
 
@@ -43,6 +46,8 @@ def _model(difference: str, rank: int) -> tuple[nn.Module, dict]:
     model = nn.Sequential(*blocks)
     if odd and difference == "frozen":
         model[1].fc.bias.requires_grad_(False)
+    if odd and difference == "budget":  # grouping units for their collectives differently (buckets.py)
+        os.environ[ENV_VAR] = "0"
     kwargs: dict = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=difference == "frozen")
     if odd and difference == "precision":
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
@@ -51,12 +56,18 @@ def _model(difference: str, rank: int) -> tuple[nn.Module, dict]:
 
 def _wrap_and_step(difference: str, sync_module_states: bool) -> str:
     torch.manual_seed(0)
+    budget = os.environ.get(ENV_VAR)
     model, kwargs = _model(difference, dist.get_rank())
     try:
         fsdp = FSDP(model, sync_module_states=sync_module_states, **kwargs)
         fsdp(torch.randn(2, 4)).sum().backward()
     except ValueError as error:
         return str(error)
+    finally:
+        if budget is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = budget
     return "no error"
 
 
@@ -67,6 +78,7 @@ def _wrap_and_step(difference: str, sync_module_states: bool) -> str:
         ("depth", "no more units", "'3.fc.weight' of shape (4, 4)"),
         ("frozen", "'1.fc.bias' of shape (8,), requires_grad=True", "requires_grad=False"),
         ("precision", "gathered torch.float32", "gathered torch.bfloat16"),
+        ("budget", "of 1048576 bytes", "of 0 bytes"),
     ]
 )
 def test_every_rank_names_the_first_difference(difference: str, rank0_has: str, other_has: str) -> None:
