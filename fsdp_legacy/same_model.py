@@ -33,7 +33,10 @@ def describe_units(root: nn.Module, units: Sequence[FSDPUnit]) -> list[str]:
         if not isinstance(module, FSDPUnit) or module not in units:
             continue
         prefix = clean_fqn(name) + "." if clean_fqn(name) else ""
-        strategy = module.sharding_strategy.name
+        # (the prefetch settings decide the order of the collectives)
+        backward = module.backward_prefetch.name if module.backward_prefetch is not None else None
+        prefetch = f"backward_prefetch={backward}, forward_prefetch={module.forward_prefetch}"
+        strategy = f"{module.sharding_strategy.name}, {prefetch}"
         for index, handle in enumerate(module._handles):
             for info in handle.layout.params:  # (first: a differing shape is named before the sizes it changes)
                 param = handle.orig_params.get(info)

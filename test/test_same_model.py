@@ -11,8 +11,8 @@ from parameterized import parameterized
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from fsdp_legacy import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from fsdp_legacy import FullyShardedDataParallel as FSDP
-from fsdp_legacy import MixedPrecision, ShardingStrategy
 from fsdp_legacy.buckets import ENV_VAR
 from fsdp_legacy.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
@@ -51,6 +51,8 @@ def _model(difference: str, rank: int) -> tuple[nn.Module, dict]:
     kwargs: dict = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=difference == "frozen")
     if odd and difference == "precision":
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
+    if odd and difference == "prefetch":  # collectives in another order
+        kwargs["backward_prefetch"] = BackwardPrefetch.BACKWARD_POST
     return model, kwargs
 
 
@@ -79,6 +81,7 @@ def _wrap_and_step(difference: str, sync_module_states: bool) -> str:
         ("frozen", "'1.fc.bias' of shape (8,), requires_grad=True", "requires_grad=False"),
         ("precision", "gathered torch.float32", "gathered torch.bfloat16"),
         ("budget", "of 1048576 bytes", "of 0 bytes"),
+        ("prefetch", "backward_prefetch=BACKWARD_PRE", "backward_prefetch=BACKWARD_POST"),
     ]
 )
 def test_every_rank_names_the_first_difference(difference: str, rank0_has: str, other_has: str) -> None:
