@@ -166,6 +166,8 @@ class FullyShardedDataParallel(FSDPUnit):
             self._build_handle(module, references, index) for index, references in enumerate(plan.dtype_groups)
         ]
         self._fsdp_wrapped_module = module
+        if use_orig_params:
+            self._put_managed_params_last()
         if not use_orig_params:
             # On the module inside an activation-checkpoint wrapper the unit was built around, as torch does (its
             # `module`): the wrapper's load hook moves every key below it into that module.
@@ -180,6 +182,19 @@ class FullyShardedDataParallel(FSDPUnit):
     def _is_boundary_for(self, root: nn.Module) -> Callable[[nn.Module], bool]:
         ignored = self._ignored_modules
         return lambda m: m is not root and (isinstance(m, FullyShardedDataParallel) or m in ignored)
+
+    def _put_managed_params_last(self) -> None:
+        """use_orig_params=True: each module lists the parameters the unit manages behind its others (ignored ones),
+        in registration order, tied references last, as torch's construction leaves them (it deregisters them and
+        registers them again). named_parameters(), and so an optimizer's parameter order and its state's indices,
+        and the state dicts' key order then follow torch's."""
+        rank = self._registration_order
+        primaries = sorted(
+            (info for handle in self._handles for info in handle.layout.params), key=lambda info: rank[info.fqn]
+        )
+        shared = [info for handle in self._handles for info in handle.layout.shared]
+        for module, name in [(i.module, i.param_name) for i in primaries] + [(i.module, i.param_name) for i in shared]:
+            module._parameters[name] = module._parameters.pop(name)
 
     def _build_handle(self, module: nn.Module, references: Sequence[ParamRef], index: int) -> FlatParamHandle:
         floating = references[0].param.is_floating_point()

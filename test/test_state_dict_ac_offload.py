@@ -509,26 +509,32 @@ class _WithIgnored(nn.Module):
         self.mixed = nn.Linear(4, 4)
         self.mixed.extra = nn.Parameter(torch.randn(4))  # ignored: between managed parameters of one module
         self.mixed.register_parameter("weight", self.mixed._parameters.pop("weight"))  # after it
+        self.tied = nn.Linear(4, 4)
+        self.tied.other = nn.Parameter(torch.randn(4))  # ignored too
+        self.tied.bias = self.mixed.bias  # a second reference to a managed parameter, before an ignored one
+        self.tied.register_parameter("other", self.tied._parameters.pop("other"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mixed(self.first(x)) + self.mixed.extra
+        return self.tied(self.mixed(self.first(x)) + self.mixed.extra) + self.tied.other
 
 
 def _half_keeps_parameter_order(use_orig_params: bool) -> None:
-    """Parameters FSDP does not manage are converted as nn.Module converts them, and every module keeps its
-    parameter order, as on torch's FSDP1. (With use_orig_params torch's construction already moves a module's managed
-    parameters behind its ignored ones, ours keeps the module's order: compared as sets across the libraries.)"""
+    """Parameters FSDP does not manage are converted as nn.Module converts them, and the parameters are listed in
+    torch's FSDP1's order, before and after: with use_orig_params each module's managed parameters behind its
+    ignored ones (torch's construction registers them again), tied references last."""
     shown = []
     for lib in (fsdp_legacy, torch_fsdp):
         torch.manual_seed(0)
         model = _WithIgnored()
-        model = _fsdp(lib, model, use_orig_params=use_orig_params, ignored_states=[model.mixed.extra])
-        before = [name for name, _ in model.named_parameters()]
+        ignored = [model.mixed.extra, model.tied.other]
+        model = _fsdp(lib, model, use_orig_params=use_orig_params, ignored_states=ignored)
+        before = [name for name, _ in model.named_parameters(remove_duplicate=False)]
         model.half()
-        after = [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
+        after = [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)]
         assert [name for name, _, _ in after] == before, f"{lib.__name__}: the order changed"
+        keys = list(model.state_dict().keys())
         out = model(torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank())).half())
-        shown.append((sorted(after, key=str), out.detach()))
+        shown.append((after, keys, out.detach()))
     _assert_same(shown[0], shown[1], "after .half()")
 
 
