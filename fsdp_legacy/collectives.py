@@ -44,7 +44,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     `full` is consumed: its contents are undefined afterwards.
     """
     if dist.get_backend(group) == "gloo":
-        return _AllReduceThenSlice(output, full, group)
+        return _AllReduceThenSlice([output], full, group)
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
@@ -60,9 +60,8 @@ class _AllReduceThenSlice:
     """gloo runs a reduce-scatter as an all-reduce on a temporary copy of its input. Reducing the input in place and
     keeping our chunk moves the same bytes without that full-size copy."""
 
-    def __init__(self, output: torch.Tensor | list[torch.Tensor], full: torch.Tensor, group: dist.ProcessGroup):
-        self._outputs = output if isinstance(output, list) else [output]
-        self._full, self._rank = full, group.rank()
+    def __init__(self, outputs: list[torch.Tensor], full: torch.Tensor, group: dist.ProcessGroup):
+        self._outputs, self._full, self._rank = outputs, full, group.rank()
         self._work: dist.Work | None = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def wait(self) -> bool:

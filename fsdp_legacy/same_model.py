@@ -29,8 +29,9 @@ def describe_units(root: nn.Module, units: Sequence[FSDPUnit]) -> list[str]:
     """One line per original parameter of every unit under `root`, with what decides each unit's collectives."""
     # Ranks that group units differently for their collectives (buckets.py) pair unrelated ones just the same.
     lines = [f"a bucket budget ({ENV_VAR}) of {bucket_bytes_from_env()} bytes"]
+    ours = set(units)
     for name, module in root.named_modules():
-        if not isinstance(module, FSDPUnit) or module not in units:
+        if not isinstance(module, FSDPUnit) or module not in ours:
             continue
         prefix = clean_fqn(name) + "." if clean_fqn(name) else ""
         # (the prefetch settings decide the order of the collectives)
@@ -116,6 +117,6 @@ def _all_gather_lines(lines: list[str], group: dist.ProcessGroup, device: torch.
     data = json.dumps(lines).encode()
     sizes = _all_gather(torch.tensor([len(data)], dtype=torch.int64, device=device), group).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     gathered = _all_gather(padded.to(device), group).view(group.size(), -1).cpu()
     return [json.loads(bytes(row[:size].tolist()).decode()) for row, size in zip(gathered, sizes, strict=True)]
