@@ -215,12 +215,19 @@ class FullyShardedDataParallel(FSDPUnit):
             keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
             flat_name=FLAT_PARAM if index == 0 else f"{FLAT_PARAM}_{index}",
         )
-        if handle.flat_param.requires_grad:
-            # Through a weak reference: torch's garbage collector does not see into post-accumulate-grad hooks, so a
-            # hook holding the unit would keep the whole model alive after `del model`.
-            hook = functools.partial(_post_backward_hook, weakref.ref(self), weakref.ref(handle))
-            handle.flat_param.register_post_accumulate_grad_hook(hook)
+        self._hook_post_backward(handle)
         return handle
+
+    def _hook_post_backward(self, handle: FlatParamHandle) -> None:
+        """Reduce the flat parameter's gradient once it has accumulated. At construction and at each forward (where
+        the runtime calls it again), since a flat parameter frozen when wrapped may be unfrozen later."""
+        if handle.post_backward_hooked or not handle.flat_param.requires_grad:
+            return
+        # Through a weak reference: torch's garbage collector does not see into post-accumulate-grad hooks, so a
+        # hook holding the unit would keep the whole model alive after `del model`.
+        hook = functools.partial(_post_backward_hook, weakref.ref(self), weakref.ref(handle))
+        handle.flat_param.register_post_accumulate_grad_hook(hook)
+        handle.post_backward_hooked = True
 
     # ----------------------------------------------------------------------------------------------------------------
     # nn.Module surface

@@ -91,6 +91,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
         self.kept_gathered = False  # resharded with the unsharded storage kept (finish_backward)
         self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
+        self.post_backward_hooked = False  # the flat parameter's post-accumulate-grad hook is registered
 
         params = list({id(ref.param): ref.param for ref in references}.values())
         dtype = _uniform(params, lambda p: p.dtype, "dtype")
@@ -444,6 +445,12 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
         """use_orig_params=True: take in replaced original parameters before an unshard (orig_param_views.py)."""
         if self.use_orig_params and self.training_state != HandleTrainingState.SUMMON_FULL_PARAMS:
             self._writeback_orig_params()  # (summon_full_params shows full views in their place, writes back itself)
+
+    def follow_orig_requires_grad(self) -> None:
+        """use_orig_params=True: the flat parameter requires grad while any original parameter does, frozen or
+        unfrozen since wrapping (torch's FSDP1 sets it so at each root forward too)."""
+        if self.use_orig_params and self.orig_params:
+            self.flat_param.requires_grad = any(p.requires_grad for p in self.orig_params.values())
 
     def _use_sharded_orig_params(self) -> None:
         """use_orig_params=True: original parameters become views of the local shard (1-D pieces when sharded)."""

@@ -55,8 +55,9 @@ class Runtime:
         # torch's execution-order checks, at the DETAIL debug level only (else no cost but this None).
         self.exec_order = ExecOrderCheck(root, units) if enabled() else None
         # Consecutive small units share one all-gather, and one reduce-scatter, within this many unsharded bytes
-        # (buckets.py).
-        self.gather_bucket_bytes = bucket_bytes_from_env()
+        # (buckets.py). Not at the DETAIL level, whose collectives are torch's one for one: a rank whose forward order
+        # changed (which torch's check warns about there) then issues as many collectives as the others, as in torch.
+        self.gather_bucket_bytes = 0 if self.exec_order is not None else bucket_bytes_from_env()
         self.reduce_bucket = ReduceBucket(self.gather_bucket_bytes)
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -81,6 +82,7 @@ class Runtime:
                 if not handle.needs_unshard:  # a gathering unit writes back in unshard(), before its all-gather
                     handle.writeback_orig_params()
                 handle.training_state = HandleTrainingState.FORWARD
+                unit._hook_post_backward(handle)  # (unfrozen since it was wrapped)
             if unit not in self.forward_order:
                 self.forward_order.append(unit)
             self._issue_unshard(unit, backward=False)
@@ -99,11 +101,13 @@ class Runtime:
         of the GPU and issues the next unit's all-gather while this one computes; on CPU nothing runs ahead, so the
         all-gather is issued here. Implicitly only with BACKWARD_PRE, under which backward holds two units' unsharded
         parameters anyway (a forward holding two raises no peak), and not in a re-run of forward during backward
-        (activation checkpointing), whose next unit in forward order has had its backward already."""
+        (activation checkpointing), whose next unit in forward order has had its backward already. Not at the DETAIL
+        debug level either, whose collectives are torch's one for one (see `gather_bucket_bytes`)."""
         if unit.forward_prefetch:
             return True
         return (
             self.compute_device.type == "cpu"
+            and self.exec_order is None
             and unit.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
             and not rerun_in_backward
         )
@@ -154,6 +158,7 @@ class Runtime:
         for unit in self.units:
             for handle in unit._handles:
                 handle.select_precision(self.full_precision_eval)
+                handle.follow_orig_requires_grad()
         if self.compute_device.type != "cpu":
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_device, non_blocking=True), (args, kwargs)

@@ -60,6 +60,10 @@ class FSDPUnit(nn.Module):
     _optim_state_dict_config: Any
     _fsdp_wrapped_module: nn.Module  # a registered submodule, found by nn.Module.__getattr__
 
+    def _hook_post_backward(self, handle: FlatParamHandle) -> None:
+        """Register the hook that reduces `handle`'s gradient, once its flat parameter requires grad (the wrapper's)."""
+        raise NotImplementedError
+
     @property
     def _handle(self) -> FlatParamHandle | None:
         """torch's name: the unit's (first) handle, None when it manages no parameter."""

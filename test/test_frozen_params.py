@@ -149,3 +149,43 @@ def _train_like_data_parallel(strategy: str, mixed_precision: bool) -> None:
 )
 def test_frozen_params_train_like_data_parallel(strategy: str, mixed_precision: bool, world_size: int) -> None:
     run_on_ranks(_train_like_data_parallel, world_size, strategy, mixed_precision)
+
+
+def _unfrozen_after_wrapping(ours: bool, strategy: str, use_orig_params: bool) -> tuple[list[float], list]:
+    """A unit frozen when wrapped and unfrozen later (gradual unfreezing): its gradients are reduced from then on.
+    Losses and full parameters after three SGD steps."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+
+    wrapper = FSDP if ours else TorchFSDP
+    kwargs: dict = dict(use_orig_params=use_orig_params, sharding_strategy=getattr(TorchStrategy, strategy))
+    if not ours:
+        kwargs["device_id"] = torch.device("cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    model[1].requires_grad_(False)
+    model[1] = wrapper(model[1], **kwargs)
+    fsdp = wrapper(model, **kwargs)
+    losses = []
+    for step in range(3):
+        if step == 1:
+            model[1].requires_grad_(True)
+        optim = torch.optim.SGD([p for p in fsdp.parameters() if p.requires_grad], lr=0.1)
+        torch.manual_seed(step + dist.get_rank())
+        loss = fsdp(torch.randn(4, 4)).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    with wrapper.summon_full_params(fsdp):
+        return losses, [p.detach().clone() for p in fsdp.parameters()]
+
+
+@parameterized.expand([(s, u) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for u in (False, True)])
+def test_unfrozen_after_wrapping_trains_as_torch(strategy: str, use_orig_params: bool) -> None:
+    ours = run_on_ranks(_unfrozen_after_wrapping, 2, True, strategy, use_orig_params)
+    theirs = run_on_ranks(_unfrozen_after_wrapping, 2, False, strategy, use_orig_params)
+    for (our_losses, our_params), (their_losses, their_params) in zip(ours, theirs, strict=True):
+        assert our_losses == their_losses
+        for a, b in zip(our_params, their_params, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

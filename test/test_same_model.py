@@ -3,6 +3,7 @@ at the root's first forward or, with sync_module_states, at construction; torch'
 mixed-up values there. Ranks that wrap the same model pass the check: the rest of the suite."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -57,12 +58,15 @@ def _model(difference: str, rank: int) -> tuple[nn.Module, dict]:
 
 
 def _wrap_and_step(difference: str, sync_module_states: bool) -> str:
+    """The ValueError raised, else "warned: " and the warning, else "no error"."""
     torch.manual_seed(0)
     budget = os.environ.get(ENV_VAR)
     model, kwargs = _model(difference, dist.get_rank())
     try:
-        fsdp = FSDP(model, sync_module_states=sync_module_states, **kwargs)
-        fsdp(torch.randn(2, 4)).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fsdp = FSDP(model, sync_module_states=sync_module_states, **kwargs)
+            fsdp(torch.randn(2, 4)).sum().backward()
     except ValueError as error:
         return str(error)
     finally:
@@ -70,7 +74,8 @@ def _wrap_and_step(difference: str, sync_module_states: bool) -> str:
             os.environ.pop(ENV_VAR, None)
         else:
             os.environ[ENV_VAR] = budget
-    return "no error"
+    found = [str(w.message) for w in caught if "differ by rank" in str(w.message)]
+    return "warned: " + found[0] if found else "no error"
 
 
 @parameterized.expand(
@@ -78,7 +83,6 @@ def _wrap_and_step(difference: str, sync_module_states: bool) -> str:
         ("width", "'1.fc.weight' of shape (8, 8)", "'1.fc.weight' of shape (10, 8)"),
         ("order", "'1.fc.weight' of shape (8, 8)", "'1.fc.bias' of shape (8,)"),
         ("depth", "no more units", "'3.fc.weight' of shape (4, 4)"),
-        ("frozen", "'1.fc.bias' of shape (8,), requires_grad=True", "requires_grad=False"),
         ("precision", "gathered torch.float32", "gathered torch.bfloat16"),
         ("budget", "of 1048576 bytes", "of 0 bytes"),
         ("prefetch", "backward_prefetch=BACKWARD_PRE", "backward_prefetch=BACKWARD_POST"),
@@ -160,3 +164,156 @@ def _mesh_2d() -> str:
 
 def test_hybrid_same_model_passes() -> None:
     assert run_on_ranks(_mesh_2d, 4) == ["no error"] * 4
+
+
+def test_requires_grad_alone_is_a_warning() -> None:
+    """Their collectives pair up: every rank warns, naming the first difference, and none raises."""
+    for world_size in (2, 3):
+        results = run_on_ranks(_wrap_and_step, world_size, "frozen", False)
+        assert len(set(results)) == 1, results
+        assert results[0].startswith("warned: "), results[0]
+        first, second = results[0].split(" where ")
+        assert "'1.fc.bias' of shape (8,), requires_grad=True" in first, results[0]
+        assert f"group rank {world_size - 1} has" in second and "requires_grad=False" in second, results[0]
+
+
+# torch's own cases (test_fsdp_ignored_modules.py, test_fsdp_exec_order.py), which torch's FSDP1 runs: ours must too.
+
+
+class _IgnoredLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def _rank_ignores_more(ours: bool, ignore_modules: bool, ignore_at_root: bool) -> list[float]:
+    """Rank r ignores r + 1 modules inside `layer1`, so the same managed parameters sit under shifted names there."""
+    wrapper = FSDP if ours else _torch_fsdp()
+    torch.manual_seed(0)
+    layer1 = nn.Sequential(
+        nn.Linear(5, 4), nn.Linear(4, 4), *[_IgnoredLinear() for _ in range(dist.get_rank() + 1)], nn.Linear(4, 4)
+    )
+    model = nn.Sequential(nn.Linear(3, 5), layer1, nn.Linear(4, 2), nn.Linear(2, 2))
+
+    def ignoring(modules: list[nn.Module]) -> dict:
+        if ignore_modules:
+            return {"ignored_modules": modules}
+        return {"ignored_states": [p for m in modules for p in m.parameters()]}
+
+    ignored = [m for m in model.modules() if isinstance(m, _IgnoredLinear)]
+    model[1] = wrapper(model[1], **ignoring(ignored))
+    model[3] = wrapper(model[3])
+    fsdp = wrapper(model, **ignoring(ignored if ignore_at_root else []))
+    optim = torch.optim.Adam(fsdp.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        torch.manual_seed(10 + step)
+        loss = fsdp(torch.randn(8, 3)).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _torch_fsdp():
+    from functools import partial
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    return partial(TorchFSDP, device_id=torch.device("cpu"))
+
+
+@parameterized.expand([(True, False), (True, True), (False, False), (False, True)])
+def test_ranks_that_ignore_different_modules_train_as_torch(ignore_modules: bool, ignore_at_root: bool) -> None:
+    theirs = run_on_ranks(_rank_ignores_more, 2, False, ignore_modules, ignore_at_root)
+    ours = run_on_ranks(_rank_ignores_more, 2, True, ignore_modules, ignore_at_root)
+    assert ours == theirs
+
+
+class _TwoPaths(nn.Module):
+    """torch's exec-order model: `layer1` and `layer2` flatten to 36 elements each, and a rank that flips the path
+    runs the other one (frozen and unfrozen as it goes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer0 = nn.Linear(5, 6)
+        self.layer1 = nn.Linear(6, 6, bias=False)
+        self.layer2 = nn.Sequential(nn.Linear(6, 3, bias=False), nn.ReLU(), nn.Linear(3, 6, bias=False))
+        self.alternate = False
+        self.layer2.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.layer0(x))
+        return torch.relu(self.layer2(x) if self.alternate else self.layer1(x))
+
+    def flip(self) -> None:
+        self.layer1.requires_grad_(self.alternate)
+        self.layer2.requires_grad_(not self.alternate)
+        self.alternate = not self.alternate
+
+
+def _flipped_first_forward(ours: bool, strategy: str) -> str:
+    """torch's test_invalid_first_iter_order: every rank but 0 runs the other path from the first forward on."""
+    wrapper = FSDP if ours else _torch_fsdp()
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        model = _TwoPaths()
+        sharding = getattr(ShardingStrategy, strategy)
+        model.layer1 = wrapper(model.layer1, sharding_strategy=sharding)
+        model.layer2 = wrapper(model.layer2, sharding_strategy=sharding)
+        fsdp = wrapper(model, sharding_strategy=sharding)
+        if dist.get_rank() != 0:
+            fsdp.module.flip()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fsdp(torch.randn(8, 5))
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    finally:
+        dist.set_debug_level(level)
+    return "no error"
+
+
+@parameterized.expand([("FULL_SHARD",), ("SHARD_GRAD_OP",)])
+def test_torch_order_check_reports_ranks_that_run_different_units(strategy: str) -> None:
+    """torch's DETAIL-level order check, not the same-model check, reports it: the same error as torch's."""
+    theirs = run_on_ranks(_flipped_first_forward, 2, False, strategy)
+    ours = run_on_ranks(_flipped_first_forward, 2, True, strategy)
+    assert theirs[0].startswith("RuntimeError: Forward order differs across ranks"), theirs
+    assert ours == theirs
+
+
+def _flipped_later(ours: bool, strategy: str, iterations_before: int) -> list[str]:
+    """torch's test_invalid_later_iter_order: all ranks agree first, then every rank but 0 flips the path; the order
+    warnings each rank gets over two more iterations."""
+    wrapper = FSDP if ours else _torch_fsdp()
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        model = _TwoPaths()
+        sharding = getattr(ShardingStrategy, strategy)
+        model.layer1 = wrapper(model.layer1, sharding_strategy=sharding)
+        model.layer2 = wrapper(model.layer2, sharding_strategy=sharding)
+        fsdp = wrapper(model, sharding_strategy=sharding)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for iteration in range(iterations_before + 2):
+                if iteration == iterations_before and dist.get_rank() != 0:
+                    fsdp.module.flip()
+                fsdp(torch.randn(8, 5)).sum().backward()
+    finally:
+        dist.set_debug_level(level)
+    return [str(w.message).splitlines()[0] for w in caught if "order differs" in str(w.message)]
+
+
+@parameterized.expand([("FULL_SHARD", 1), ("SHARD_GRAD_OP", 3)])
+def test_a_later_change_of_order_warns_as_torch(strategy: str, iterations_before: int) -> None:
+    theirs = run_on_ranks(_flipped_later, 2, False, strategy, iterations_before)
+    ours = run_on_ranks(_flipped_later, 2, True, strategy, iterations_before)
+    assert theirs[0] == [] and len(theirs[1]) == 1, theirs
+    assert ours == theirs
