@@ -6,6 +6,7 @@ model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
 """
 
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from .api import (
@@ -29,6 +30,11 @@ from .compat import install, installed, uninstall
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
+
+try:  # setup.cfg holds the version; an installed package (editable too) carries it in its metadata
+    __version__ = version("fsdp_legacy")
+except PackageNotFoundError:  # a checkout on sys.path without an install
+    __version__ = "0+unknown"
 
 # FSDP_LEGACY=1 with fsdp_legacy imported first: this import brought in torch.distributed.fsdp, and the switch's hook
 # (_fsdp_legacy_autoinstall.py) left install() to the end of it.

@@ -30,11 +30,12 @@ from safetensors.torch import save_file
 
 import harness
 import models
+from fsdp_legacy import safetensors_format
 from fsdp_legacy.checkpoint import load_full_model, save_full_model
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint
 from fsdp_legacy.convert import atomic as atomic_module
 from fsdp_legacy.handle import FlatParamHandle
-from fsdp_legacy.state import hf_checkpoint, safetensors_io
+from fsdp_legacy.state import hf_checkpoint
 from fsdp_utils import Config, build_ours, full_params
 from harness import RankError, run_on_ranks
 from test_checkpoint_safety import _save_rank_files
@@ -155,7 +156,7 @@ def _failing_save(directory: str, fault: str, safe: bool) -> tuple:
     with contextlib.ExitStack() as stack:
         patch = stack.enter_context(pytest.MonkeyPatch.context())
         if fault == "ENOSPC" and rank == 0:  # the disk fills up in the middle of the data
-            original, calls = safetensors_io._pwrite, [0]
+            original, calls = safetensors_format._pwrite, [0]
 
             def full_disk(fd: int, data, position: int) -> None:
                 calls[0] += position > 0  # the headers (at 0) are written; the data is not
@@ -163,7 +164,7 @@ def _failing_save(directory: str, fault: str, safe: bool) -> tuple:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 original(fd, data, position)
 
-            patch.setattr(safetensors_io, "_pwrite", full_disk)
+            patch.setattr(safetensors_format, "_pwrite", full_disk)
         if fault == "EFBIG" and rank == 0:
             stack.enter_context(file_size_limit(2000))
         if fault == "before" and rank == last:
@@ -456,7 +457,7 @@ def test_converter_on_a_full_disk(tmp_path, to: str) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
         patch.setattr(os, "posix_fallocate", full)  # what a torch.save file reserves before it is filled
-        patch.setattr(safetensors_io, "_pwrite", full)
+        patch.setattr(safetensors_format, "_pwrite", full)
         if to != "dcp":
             with pytest.raises(CheckpointError, match=r"No space left on device.*free some space"):
                 convert_checkpoint(str(tmp_path / "source.pt"), destination, to=to)

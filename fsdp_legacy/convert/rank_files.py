@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..state.safetensors_io import mixed_saves
+from ..safetensors_format import mixed_saves
 from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, flatten
 from .errors import CheckpointError
 from .integrity import check_archive

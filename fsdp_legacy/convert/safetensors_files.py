@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..state.safetensors_io import (
+from ..safetensors_format import (
     DTYPES,
     SAFE_INDEX,
     SAFE_WEIGHTS,

@@ -7,11 +7,11 @@
     optim_state.py            optimizer state dicts (optim_state_dict, optim_state_dict_to_load)
     optim_state_legacy.py     torch's older optimizer-state API (full_optim_state_dict, scatter_..., rekey_...)
     checkpoint.py             torch's DSD helpers (get_/set_state_dict, ...) for our models: fsdp_legacy.checkpoint
-    dcp_checkpoint.py         dcp.save / dcp.load plus layout records, save identity and CRC-32s
+    dcp_checkpoint.py         dcp.save / dcp.load plus layout records, save id, CRC-32s: fsdp_legacy.dcp_checkpoint
     save_identity.py          the identity that tells per-rank files of two saves apart
     hf_checkpoint.py          streamed full-model save/load as Hugging Face safetensors shards
-    safetensors_io.py         the safetensors file format: validated headers, atomic shard writes
 
 Every module here works on units (unit.py) and their handles (handle.py); fully_sharded_data_parallel.py assembles
-the public methods from them. The offline converter (convert/) reads the same files without any model code.
+the public methods from them. The offline converter (convert/) reads the same files without any model code; the
+file formats both use live below both (convert/, and safetensors_format.py for safetensors), never here.
 """

@@ -38,8 +38,7 @@ from ..convert.atomic import atomic_directory
 from ..flat_param import FlatParameter, ParamInfo
 from ..handle import FlatParamHandle
 from ..naming import join_fqn
-from ..unit import FSDPUnit
-from .safetensors_io import (
+from ..safetensors_format import (
     BIN_INDEX,
     BIN_WEIGHTS,
     DTYPES,
@@ -54,6 +53,7 @@ from .safetensors_io import (
     shard_names,
     write_index,
 )
+from ..unit import FSDPUnit
 
 __all__ = ["load_full_model", "save_full_model"]
 

@@ -1,5 +1,6 @@
 """The safetensors file format and Hugging Face's layout of a directory of them, as `save_pretrained` writes it: what
-`hf_checkpoint` (save_full_model / load_full_model) and the offline converter (`--to safetensors`) share.
+state/hf_checkpoint.py (save_full_model / load_full_model) and the offline converter (convert/safetensors_files.py,
+convert/rank_files.py) share. It sits below both, so that the model-free converter never imports state/.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's dtype, shape and byte range
 in the data, plus "__metadata__"), then the raw bytes, row-major. A directory holds `model.safetensors`, or

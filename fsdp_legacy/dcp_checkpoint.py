@@ -1,0 +1,12 @@
+"""fsdp_legacy.dcp_checkpoint, the public DCP save/load: `dcp.save` / `dcp.load` plus the side file (layout records,
+save identity, CRC-32s) that lets a LOCAL checkpoint convert offline and a damaged one be refused. The code lives in
+state/dcp_checkpoint.py; this module keeps the import path users have.
+
+    from fsdp_legacy import dcp_checkpoint
+    dcp_checkpoint.save(state, "ckpt/step100")      # every rank, as dcp.save
+    dcp_checkpoint.load(state, "ckpt/step100")      # every rank, as dcp.load
+"""
+
+from .state.dcp_checkpoint import load, save
+
+__all__ = ["load", "save"]
