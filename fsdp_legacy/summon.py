@@ -191,7 +191,11 @@ def _hide(unit: FSDPUnit, handle: FlatParamHandle) -> None:
             if info in handle.dtensors:
                 module._parameters[name] = handle.orig_params[info]
         handle._use_sharded_orig_params()
-        if not handle.is_unsharded or not handle.uses_buffer:
+        # The gradients shown before the context again, as torch: the sharded ones (also when the unit stays
+        # unsharded after a forward), or under no_sync() the accumulated unsharded ones.
+        if handle.uses_buffer and handle.unsynced_grad is not None:
+            handle._expose_unsynced_grads()
+        else:
             handle._use_orig_grad_views()
         return
     for module, name, _ in handle._attributes():

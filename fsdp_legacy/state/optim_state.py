@@ -32,6 +32,7 @@ from ..handle import FlatParamHandle
 from ..naming import clean_fqn
 from ..tensor_parallel import DTensorParam
 from ..unit import FSDPUnit
+from .optim_state_named import by_param_ids, keyed_by_name
 from .state_dict import chunk_sharded_tensor, clean_key, detached_copy, get_state_dict_type
 from .state_dict_dtensor import chunk_dtensor, uses_dtensor
 from .state_dict_loading import gather_full_tensor, materialize
@@ -192,6 +193,8 @@ def save_optim_state(
 ) -> dict[str, Any]:
     osd = optim.state_dict() if osd is None else osd
     entries = _entries(model, optim)
+    if keyed_by_name(osd):  # a named optimizer (_NamedOptimizer, torchrec's): saved as if keyed by ids
+        osd = by_param_ids(model, [param for group in optim.param_groups for param in group["params"]], osd)
     rank0_keys = None if _uses_orig_params(model) else _check_rank0_states(entries, osd["state"], group)
     local = _local_state_by_fqn(entries, osd["state"])
     specs = _global_specs(local, group)
@@ -223,10 +226,11 @@ def save_optim_state(
         state = _in_torch_uop_order(state, entries)
     if "param_groups" not in osd:  # a state alone saves as a state alone, as in torch
         return {"state": state}
-    param_groups = []
-    for index, saved_group in enumerate(osd["param_groups"]):
-        fqns = [fqn for g, entry in entries if g == index for fqn in entry.fqns]
-        param_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": fqns})
+    # Each saved group as it is, its parameters' ids (in its order) replaced by their FQNs.
+    param_groups = [
+        {k: [fqn for key in v for fqn in entries[key][1].fqns] if k == "params" else v for k, v in saved.items()}
+        for saved in osd["param_groups"]
+    ]
     return {"state": state, "param_groups": param_groups}
 
 
@@ -325,20 +329,22 @@ def _gather_handle(
                 name: gathered[name][info.offset : info.offset + info.numel].view(info.shape)
                 if is_tensor
                 else mine.get(name, value)
-                for name, (is_tensor, value) in _in_torch_order(specs[fqn], handle.use_orig_params)
+                for name, (is_tensor, value) in _in_torch_order(specs[fqn], handle)
             },
         )
 
 
-def _in_torch_order(specs: dict[str, Any], use_orig_params: bool) -> list[tuple[str, Any]]:
-    """The state names in torch's order: the optimizer's with use_orig_params; else the gathered states, then 0-d
-    tensors, then other values, each group by name."""
-    if use_orig_params:
+def _in_torch_order(specs: dict[str, Any], handle: FlatParamHandle) -> list[tuple[str, Any]]:
+    """The state names in torch's order, each kind by name: flat parameters list the gathered states, then 0-d
+    tensors, then other values; original parameters that were gathered list other values, then 0-d tensors, then the
+    gathered states; ones that were not (NO_SHARD, one rank) keep the optimizer's order."""
+    if handle.use_orig_params and not (handle.sharded and handle.world_size > 1):
         return list(specs.items())
+    order = (0, 1, 2) if not handle.use_orig_params else (2, 1, 0)
 
     def rank(item: tuple[str, tuple[bool, Any]]) -> tuple[int, str]:
         name, (is_tensor, value) = item
-        return (0 if is_tensor else 1 if isinstance(value, torch.Tensor) else 2), name
+        return order[0 if is_tensor else 1 if isinstance(value, torch.Tensor) else 2], name
 
     return sorted(specs.items(), key=rank)
 
@@ -514,8 +520,11 @@ def _check_one_scalar(name: str, values: list[Any], fqns: list[str]) -> None:
     """A flat parameter has one `step` for all its parameters: torch refuses to invent one for a parameter without
     it (no step means full bias correction) or to pick among differing ones; its messages, word for word."""
     prefix = "All unflattened parameters comprising a single flat parameter must have scalar state with the same value"
-    missing = any(value is None for value in values)
-    if isinstance(next(v for v in values if v is not None), torch.Tensor):
+    present = [value for value in values if value is not None]
+    if not present:  # None everywhere loads as None, as in torch
+        return
+    missing = len(present) != len(values)
+    if isinstance(present[0], torch.Tensor):
         numbers = {v.item() if v is not None else None for v in values}
         dtypes = {v.dtype if v is not None else None for v in values}
         if missing or len(numbers) != 1 or len(dtypes) != 1:

@@ -1,0 +1,41 @@
+"""Optimizers whose state dict names the parameters instead of numbering them: torch.distributed.optim's
+_NamedOptimizer (as torchrec uses) keys `state` and each group's `params` by the names the optimizer was given, the
+model's `named_parameters()` names (wrapper prefixes included).
+
+FSDP.optim_state_dict saves them as torch does, as it saves an optimizer keyed by ids: such a dict is re-keyed by id
+(the position of the parameter among the optimizer's parameters) first; the groups keep their saved order.
+"""
+
+from typing import Any
+
+from torch import nn
+
+
+def keyed_by_name(osd: dict[str, Any]) -> bool:
+    """Whether an optimizer state dict names its parameters (torch tells by the first state key; a rank without
+    state still has the names in its groups)."""
+    keys = [*osd.get("state", {}), *(key for group in osd.get("param_groups", ()) for key in group["params"])]
+    return bool(keys) and isinstance(keys[0], str)
+
+
+def by_param_ids(model: nn.Module, params: list[nn.Parameter], osd: dict[str, Any]) -> dict[str, Any]:
+    """`osd` (keyed by name) keyed by the ids of the optimizer's `params`, in order. A parameter's name is its name in
+    `model` (the first, if shared), as torch's FSDP1 finds it."""
+    name_of: dict[nn.Parameter, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        name_of.setdefault(param, name)
+    id_of = {name_of[param]: key for key, param in enumerate(params) if param in name_of}
+    groups = osd.get("param_groups", [])
+    unknown = [key for key in [*osd["state"], *(k for g in groups for k in g["params"])] if key not in id_of]
+    if unknown:
+        raise ValueError(
+            f"The optimizer state dict is keyed by parameter names, but {sorted(map(str, unknown))[:8]} name no "
+            "parameter the optimizer holds: build the named optimizer from the FSDP-wrapped model's "
+            "named_parameters() (after wrapping)."
+        )
+    result: dict[str, Any] = {"state": {id_of[name]: value for name, value in osd["state"].items()}}
+    if "param_groups" in osd:
+        result["param_groups"] = [
+            {k: [id_of[name] for name in v] if k == "params" else v for k, v in group.items()} for group in groups
+        ]
+    return result
