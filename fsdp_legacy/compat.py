@@ -7,10 +7,12 @@ Lightning, transformers' Trainer, TRL, verl, and torch's own DSD helpers):
 
 `install()` replaces, in torch's FSDP1 modules (`torch.distributed.fsdp` and its submodules), the FSDP1 names by
 fsdp_legacy's: the wrapper, enums, configs, wrap policies, `enable_wrap`/`wrap`, `ShardedGradScaler`,
-`FlatParameter`, and the few private functions frameworks call. Modules that imported those names before (torch's
-DSD helpers hold `FSDP` as a module global; a framework may have imported it at start) get ours too: every loaded
-module's globals that are torch's objects are swapped. Where torch no longer has an FSDP1 module, a stand-in module
-with our names takes its place. `uninstall()` restores every name exactly; both are idempotent.
+`FlatParameter`, and the private helpers code imports from torch's FSDP1 files (torch_helpers.py: `_lazy_init`,
+`_unshard`, `_reshard`, `_get_fsdp_states`, `_get_fsdp_handles`, `_get_module_fsdp_state`; each calls torch's own for
+objects that are not ours). Modules that imported those names before (torch's DSD helpers hold `FSDP` as a module
+global; a framework may have imported it at start) get ours too: every loaded module's globals that are torch's
+objects are swapped. Where torch no longer has an FSDP1 module, a stand-in module with our names takes its place.
+`uninstall()` restores every name exactly; both are idempotent.
 
 This module is the one place in the package that imports torch's FSDP1 modules, and only to replace names in them.
 """
@@ -24,14 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
-
-from . import api, wrap
+from . import api, torch_helpers, wrap
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .handle import HandleTrainingState
+from .handle_torch_names import HandleShardingStrategy
 from .sharded_grad_scaler import ShardedGradScaler
-from .unit import FSDPUnit, TrainingState
+from .torch_helpers import NOT_OURS
+from .unit import TrainingState
 
 _FSDP1 = "torch.distributed.fsdp"
 _WRAP_NAMES = (*wrap.__all__, "_or_policy", "_module_wrap_policy", "_Policy", "_wrap")
@@ -99,53 +101,55 @@ def _targets(state: _Installed) -> dict[str, dict[str, Any]]:
     """torch module -> the names install() sets in it (added where torch's module lacks one; uninstall removes it)."""
     configs = {name: getattr(api, name) for name in api.__all__}
     wrapper = {"FullyShardedDataParallel": FullyShardedDataParallel}
+
+    def helpers(module: str, *names: str) -> dict[str, Any]:
+        return {name: _falls_back(state, f"{_FSDP1}.{module}", name) for name in names}
+
     return {
         _FSDP1: {**wrapper, **configs},
         f"{_FSDP1}.api": configs,
         f"{_FSDP1}.fully_sharded_data_parallel": {**wrapper, **configs, "TrainingState": TrainingState},
         f"{_FSDP1}.wrap": {name: getattr(wrap, name) for name in _WRAP_NAMES},
         f"{_FSDP1}.sharded_grad_scaler": {"ShardedGradScaler": ShardedGradScaler},
-        f"{_FSDP1}._flat_param": {"FlatParameter": FlatParameter, "HandleTrainingState": HandleTrainingState},
+        f"{_FSDP1}._flat_param": {
+            "FlatParameter": FlatParameter,
+            "HandleTrainingState": HandleTrainingState,
+            "HandleShardingStrategy": HandleShardingStrategy,
+        },
         f"{_FSDP1}._common_utils": {
             "TrainingState": TrainingState,
             "HandleTrainingState": HandleTrainingState,
-            "_get_module_fsdp_state": _falls_back(state, f"{_FSDP1}._common_utils", "_get_module_fsdp_state", _unit),
-            "_get_module_fsdp_state_if_fully_sharded_module": _falls_back(
-                state, f"{_FSDP1}._common_utils", "_get_module_fsdp_state_if_fully_sharded_module", _unit
-            ),
+            **helpers("_common_utils", "_get_module_fsdp_state", "_get_module_fsdp_state_if_fully_sharded_module"),
         },
-        f"{_FSDP1}._runtime_utils": {
-            "_lazy_init": _falls_back(state, f"{_FSDP1}._runtime_utils", "_lazy_init", _lazy_init),
-        },
+        # (torch's helpers there look a module's state up by their own binding of `_get_module_fsdp_state`)
+        f"{_FSDP1}._runtime_utils": helpers(
+            "_runtime_utils", "_lazy_init", "_unshard", "_reshard", "_get_module_fsdp_state"
+        ),
+        f"{_FSDP1}._traversal_utils": helpers(
+            "_traversal_utils", "_get_fsdp_states", "_get_fsdp_handles", "_get_module_fsdp_state"
+        ),
     }
 
 
-def _unit(module: nn.Module) -> FSDPUnit | None:
-    """torch's `_get_module_fsdp_state*` for our units: the unit is its own state, as in torch's FSDP1."""
-    return module if isinstance(module, FSDPUnit) else None
-
-
-def _lazy_init(state: Any, root_module: nn.Module) -> Any:
-    """torch's `_runtime_utils._lazy_init(state, root_module)`, which frameworks call to set up the root before the
-    first forward (verl)."""
-    if isinstance(state, FullyShardedDataParallel):
-        state._lazy_init()
-        return state
-    return None
-
-
-def _falls_back(state: _Installed, module_name: str, name: str, ours: Callable[..., Any]) -> Callable[..., Any]:
-    """`ours` for fsdp_legacy's modules; torch's original (kept in `state`) for anything else (FSDP2 modules)."""
+def _falls_back(state: _Installed, module_name: str, name: str) -> Callable[..., Any]:
+    """torch_helpers' `name` for fsdp_legacy's objects; torch's original (kept in `state`) for anything else (torch's
+    FSDP1, FSDP2, plain modules). Where torch has no such helper (a stand-in module), what torch's answered for a
+    model without FSDP1: an empty list from the traversals, None from the rest."""
     key = f"{module_name}.{name}"
     try:
         state.originals[key] = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError):
         pass
+    ours = getattr(torch_helpers, name)
 
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         result = ours(*args, **kwargs)
+        if result is not NOT_OURS:
+            return result
         original = state.originals.get(key)
-        return result if result is not None or original is None else original(*args, **kwargs)
+        if original is not None:
+            return original(*args, **kwargs)
+        return [] if name.startswith("_get_fsdp_") else None
 
     dispatch.__name__ = dispatch.__qualname__ = name
     dispatch.__doc__ = ours.__doc__

@@ -13,10 +13,12 @@ interchangeable with torch's:
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from .flat_param_metadata import TorchFlatParamMetadata
 from .naming import join_fqn
 from .tensor_parallel import local_tensor
 
@@ -103,16 +105,17 @@ class FlatParamLayout:
         return tuple(pieces)
 
 
-class FlatParameter(nn.Parameter):
+class FlatParameter(TorchFlatParamMetadata, nn.Parameter):
     """The parameter the optimizer sees for one FSDP unit: the local shard of the concatenated original parameters.
 
-    Its `.data` is the local shard outside forward/backward and the whole unsharded flat tensor inside them.
-    """
+    Its `.data` is the local shard outside forward/backward and the whole unsharded flat tensor inside them. torch's
+    metadata attributes (`_fqns`, `_shard_param_infos`, ...) come from flat_param_metadata.py."""
 
     _is_flat_param = True  # torch's marker, kept for code that tests for it
     _fsdp_flattened = True  # torch's `_is_fsdp_flattened(tensor)` reads it (Lightning finds FSDP params by it)
     flat_layout: FlatParamLayout
     _local_shard: torch.Tensor  # torch's name for the local shard (set by the handle)
+    _handle_ref: Callable[[], Any]  # the handle (weakly: the handle holds the flat parameter)
 
     @classmethod
     def create(cls, data: torch.Tensor, layout: FlatParamLayout, requires_grad: bool) -> "FlatParameter":
@@ -120,22 +123,8 @@ class FlatParameter(nn.Parameter):
         flat.flat_layout = layout
         return flat
 
-    # Read-only views of the layout under torch FSDP1's attribute names.
-    @property
-    def _fqns(self) -> tuple[str, ...]:
-        return tuple(p.fqn for p in self.flat_layout.params)
-
-    @property
-    def _shapes(self) -> tuple[torch.Size, ...]:
-        return tuple(p.shape for p in self.flat_layout.params)
-
-    @property
-    def _numels(self) -> tuple[int, ...]:
-        return tuple(p.numel for p in self.flat_layout.params)
-
-    @property
-    def _numels_with_padding(self) -> tuple[int, ...]:
-        return tuple(n for n, _ in self.flat_layout.segments)
+    def _metadata_source(self) -> Any:
+        return self._handle_ref()
 
 
 def iter_unit_modules(root: nn.Module, is_boundary: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module]]:

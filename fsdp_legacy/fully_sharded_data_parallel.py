@@ -7,6 +7,7 @@ FlatParameter and shard it. Runtime behaviour lives in runtime.py, the flat para
 
 import contextlib
 import functools
+import os
 import sys
 import traceback
 import warnings
@@ -215,6 +216,7 @@ class FullyShardedDataParallel(FSDPUnit):
             keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
             flat_name=FLAT_PARAM if index == 0 else f"{FLAT_PARAM}_{index}",
         )
+        handle._fully_sharded_module = module  # torch's name for the module the unit wraps
         self._hook_post_backward(handle)
         return handle
 
@@ -284,8 +286,15 @@ class FullyShardedDataParallel(FSDPUnit):
 
     @property
     def _all_handles(self) -> list[FlatParamHandle]:
-        """The handles of every unit in this one's tree (torch sets the same list on the root)."""
+        """The handles of every unit in this one's tree, in pre-order: what torch sets on the root at lazy init (torch
+        has none before it, nor on inner units)."""
         return [handle for unit in fsdp_modules(self) for handle in unit._handles]
+
+    @property
+    def _use_full_prec_in_eval(self) -> bool:
+        """FSDP_USE_FULL_PREC_IN_EVAL, one of the attributes torch requires equal on every unit
+        (`_runtime_utils.HOMOGENEOUS_ATTR_NAMES`); read as the runtime reads it, at each root forward."""
+        return os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
 
     @property
     def _fqn_modifiers(self) -> Any:

@@ -10,6 +10,7 @@ for them (orig_param_views.py).
 A unit whose parameters differ in dtype has one handle per dtype; each is what is described here.
 """
 
+import weakref
 from collections.abc import Callable, Sequence
 from enum import auto
 from typing import Any
@@ -32,6 +33,7 @@ from .flat_param import (
     flatten,
 )
 from .flat_param_grads import FlatParamGrads
+from .handle_torch_names import TorchHandleNames
 from .naming import FLAT_PARAM
 from .orig_param_grads import OrigParamGrads
 from .orig_param_views import OrigParamViews
@@ -52,7 +54,7 @@ class HandleTrainingState(FSDPEnum):
 
 
 # Each mixin declares the methods it uses of the others as stubs, so it must come after those that define them.
-class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
+class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandleNames):
     def __init__(
         self,
         module: nn.Module,
@@ -92,6 +94,8 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
         self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
         self.post_backward_hooked = False  # the flat parameter's post-accumulate-grad hook is registered
+        self._freed_placeholders: dict[str, torch.Tensor] = {}  # torch's runtime tensors we do not keep (metadata)
+        self.forward_views: dict[ParamInfo, torch.Tensor] = {}  # use_orig_params: forward's views, until resharded
 
         params = list({id(ref.param): ref.param for ref in references}.values())
         dtype = _uniform(params, lambda p: p.dtype, "dtype")
@@ -142,6 +146,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
             pin = device.type == "cuda"
             self.local_shard = self.local_shard.to("cpu").pin_memory() if pin else self.local_shard.to("cpu").clone()
         self.flat_param = FlatParameter.create(self.local_shard, layout, requires_grad)
+        self.flat_param._handle_ref = weakref.ref(self)
         # The shard's own alias (`.data`), with a version counter of its own: writing into it (summon's writeback,
         # loading a state dict) between a forward and its backward must not look like an in-place change of the
         # flat parameter that autograd saved views of. `_local_shard` is torch's name for it.
@@ -291,6 +296,24 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
             self._unsharded_buffers[dtype] = buffer
         self.full_padded = self._unsharded_buffers[dtype]
 
+    def unsharded_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The unsharded buffer that gathers in `dtype` (storage freed while sharded; made, freed, if none yet)."""
+        if not (self.mixed or self.offload):
+            return self.full_padded
+        if dtype not in self._unsharded_buffers:
+            self._unsharded_buffers[dtype] = self.freed_placeholder(None, self.layout.padded_numel, dtype)
+        return self._unsharded_buffers[dtype]
+
+    def freed_placeholder(self, key: str | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `numel` elements on the compute device with its storage freed (cached under `key`)."""
+        cached = self._freed_placeholders.get(key) if key is not None else None
+        if cached is None:
+            cached = torch.empty(numel, dtype=dtype, device=self.compute_device)
+            free_storage(cached)
+            if key is not None:
+                self._freed_placeholders[key] = cached
+        return cached
+
     @property
     def needs_unshard(self) -> bool:
         return not self.is_unsharded and self.unshard_work is None
@@ -345,6 +368,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
             self.is_unsharded = False
         if free:
             free_storage(self.full_padded)
+            self.forward_views = {}
 
     def keep_unsharded_after_forward(self) -> None:
         """Forward is over and the unit stays gathered for backward. As in torch, SHARD_GRAD_OP keeps showing the
@@ -382,6 +406,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads):
             module.__dict__[name] = views[info]
         if self.use_orig_params and self.training_state == HandleTrainingState.FORWARD:
             self._register_views(views)
+            self.forward_views = views  # (torch's `_tensors`, until the unit reshards)
 
     def _placeholder(self, info: ParamInfo, dtype: torch.dtype) -> torch.Tensor:
         """A meta tensor of the parameter's shape (a DTensor parameter's global one) standing in outside forward."""

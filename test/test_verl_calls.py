@@ -90,7 +90,7 @@ def _offload_and_load(step: int, ours: torch.nn.Module, theirs: torch.nn.Module)
 
 def _our_lazy_init(state, root):  # type: ignore[no-untyped-def]
     """verl imports `_lazy_init` from torch's `_runtime_utils`, which the switch points at ours; the same call."""
-    from fsdp_legacy.compat import _lazy_init
+    from fsdp_legacy.torch_helpers import _lazy_init
 
     return _lazy_init(state, root)
 

@@ -1,0 +1,163 @@
+"""torch FSDP1's names on FlatParamHandle, for code that reaches a handle through `FSDP._handle`, `FSDP._all_handles`
+or torch's `_traversal_utils._get_fsdp_handles` and reads or drives it as torch's (trainers' gradient-norm and EMA
+helpers, verl's offload, audiocraft's purge of gathered parameters, torch's own tests).
+
+The attributes map onto the handle's own state, read on each access, so they never disagree with the runtime.
+`pre_unshard()` / `post_unshard()` / `post_reshard()` complete the handle's `unshard()` / `reshard(free)` into torch's
+sequence (`_runtime_utils._unshard` / `_reshard`, torch_helpers.py): after it the unit's parameters are shown gathered
+(module attributes, and with use_orig_params=True `named_parameters()`), and `reshard()` undoes that.
+
+FlatParamHandle mixes this in, last: it only reads what the handle and its other parts define.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .api import FSDPEnum
+from .flat_param import FlatParameter, FlatParamLayout, ParamInfo
+
+if TYPE_CHECKING:
+    from .handle import HandleTrainingState
+
+
+class HandleShardingStrategy(FSDPEnum):
+    """torch's per-handle sharding strategy (`_flat_param.HandleShardingStrategy`): the unit's ShardingStrategy by
+    name. Members equal torch's of the same name, both ways."""
+
+    FULL_SHARD = auto()
+    SHARD_GRAD_OP = auto()
+    NO_SHARD = auto()
+    HYBRID_SHARD = auto()
+    _HYBRID_SHARD_ZERO2 = auto()
+
+
+class TorchHandleNames:
+    # The handle's state these names read (set by FlatParamHandle.__init__, `_fully_sharded_module` by the wrapper).
+    flat_param: FlatParameter
+    layout: FlatParamLayout
+    group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
+    compute_device: torch.device
+    sharded: bool
+    use_orig_params: bool
+    offload: bool
+    mixed: bool
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    training_state: HandleTrainingState
+    full_padded: torch.Tensor
+    _strategy_reshards_after_forward: bool
+    _fully_sharded_module: nn.Module  # the module the handle's FSDP unit wraps (torch's "fully sharded module")
+
+    @property
+    def needs_unshard(self) -> bool:
+        raise NotImplementedError  # (FlatParamHandle)
+
+    def wait_unshard(self) -> None:
+        raise NotImplementedError  # (FlatParamHandle)
+
+    def use_unsharded_views(self) -> None:
+        raise NotImplementedError  # (FlatParamHandle)
+
+    def writeback_orig_params(self) -> None:
+        raise NotImplementedError  # (FlatParamHandle)
+
+    def _attributes(self):
+        raise NotImplementedError  # (FlatParamHandle)
+
+    def _register_views(self, views: dict[ParamInfo, torch.Tensor]) -> None:
+        raise NotImplementedError  # (OrigParamViews)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Attributes
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group the flat parameter is sharded over (under hybrid sharding, the shard group, as torch's)."""
+        return self.group
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device (the CPU-offloaded shard lives elsewhere, as torch's)."""
+        return self.compute_device
+
+    @property
+    def _sharding_strategy(self) -> HandleShardingStrategy:
+        if not self.sharded:
+            return HandleShardingStrategy.NO_SHARD
+        if self.replicate_group is not None:
+            hybrid = self._strategy_reshards_after_forward
+            return HandleShardingStrategy.HYBRID_SHARD if hybrid else HandleShardingStrategy._HYBRID_SHARD_ZERO2
+        full = self._strategy_reshards_after_forward
+        return HandleShardingStrategy.FULL_SHARD if full else HandleShardingStrategy.SHARD_GRAD_OP
+
+    @property
+    def uses_sharded_strategy(self) -> bool:
+        return self.sharded
+
+    @property
+    def _use_orig_params(self) -> bool:
+        return self.use_orig_params
+
+    @property
+    def _training_state(self) -> HandleTrainingState:
+        return self.training_state
+
+    @_training_state.setter
+    def _training_state(self, state: Enum) -> None:
+        # Code resets it with torch's enum (HandleTrainingState.IDLE after an interrupted step): keep our member.
+        self.training_state = type(self.training_state)[state.name]
+
+    @property
+    def _fwd_bwd_param_dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @property
+    def _reduce_dtype(self) -> torch.dtype:
+        return self.reduce_dtype
+
+    # (`_orig_param_dtype` and `_offload_params` are the handle's own.)
+
+    def is_sharded(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` has the size of this rank's shard of the flat parameter; always False for NO_SHARD."""
+        return self.sharded and tensor.size() == torch.Size([self.layout.shard_numel])
+
+    def _get_padded_unsharded_flat_param(self) -> torch.Tensor:
+        """The buffer the flat parameter is gathered into, padded, its storage freed (size 0) while resharded: code
+        tells from it whether a unit is still gathered. Sharded strategies only, as torch's."""
+        if not self.sharded:
+            raise AssertionError("Expects sharded strategy")
+        return self.full_padded
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # torch's unshard / reshard sequence: pre_unshard(); unshard(); post_unshard() ... reshard(free); post_reshard()
+
+    def pre_unshard(self) -> bool:
+        """Take in edits of the original parameters (use_orig_params=True) before the gather. Returns whether the
+        gather then needs a cast or a copy of the shard to the compute device (torch's stream-ordering answer)."""
+        self.writeback_orig_params()
+        return self.needs_unshard and (self.mixed or self.offload)
+
+    def post_unshard(self) -> None:
+        """Complete the gather `unshard()` issued and show the gathered parameters: in forward or backward as the
+        runtime shows them; otherwise (code driving the handle between steps) as module attributes and, with
+        use_orig_params=True, also registered in their modules, so `named_parameters()` lists them full, as torch's
+        does. Without autograd history, and for reading: as in torch, edits reach the shard only where the gathered
+        tensor is the shard itself (NO_SHARD in full precision). `reshard()` undoes all of it."""
+        self.wait_unshard()
+        if self.training_state.name in ("FORWARD", "BACKWARD_PRE"):
+            self.use_unsharded_views()
+            return
+        with torch.no_grad():
+            self.use_unsharded_views()
+        if self.use_orig_params:
+            self._register_views({info: module.__dict__[name] for module, name, info in self._attributes()})
+
+    def post_reshard(self) -> None:
+        """Nothing: `reshard()` already freed what torch frees here (the low-precision copy of the shard)."""

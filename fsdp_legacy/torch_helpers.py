@@ -1,0 +1,106 @@
+"""torch FSDP1's module-level helpers that code imports from torch's private FSDP1 files, for fsdp_legacy's units and
+handles. The switch (compat.py) puts each under torch's name; called with anything that is not ours (torch's FSDP1,
+FSDP2, a plain module), a helper answers NOT_OURS and the switch calls torch's own instead.
+
+    _runtime_utils._lazy_init(state, root_module)          set up the root (verl, trainers' clip_grad_norm_)
+    _runtime_utils._unshard(state, handle, stream, stream) gather one unit's parameters outside forward
+    _runtime_utils._reshard(state, handle, free)           reshard it again (DINOv2, audiocraft, EMA swaps)
+    _traversal_utils._get_fsdp_states / _get_fsdp_handles  the units / handles of a model (EMA updates, grad norms)
+    _common_utils._get_module_fsdp_state(...)              a module's FSDP state: the unit itself, as torch's wrapper
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .handle import FlatParamHandle
+from .unit import FSDPUnit, fsdp_modules
+
+
+class _NotOurs:
+    """What a helper answers for objects that are not fsdp_legacy's (torch's own helper then answers)."""
+
+    def __repr__(self) -> str:
+        return "NOT_OURS"
+
+
+NOT_OURS: Any = _NotOurs()
+
+
+def _get_module_fsdp_state(module: nn.Module) -> Any:
+    """The FSDP state of `module`: a unit is its own state, as torch's wrapper is."""
+    return module if isinstance(module, FSDPUnit) else NOT_OURS
+
+
+def _get_module_fsdp_state_if_fully_sharded_module(module: nn.Module) -> Any:
+    return _get_module_fsdp_state(module)
+
+
+def _lazy_init(state: Any, root_module: nn.Module) -> Any:
+    """Make `state` the root of the units below it, once. As torch's: returns the state when it initialised it, None
+    when it was initialised already (`_is_root` set)."""
+    if not isinstance(state, FullyShardedDataParallel):
+        return NOT_OURS
+    if state._is_root is not None:
+        return None
+    state._lazy_init()
+    return state
+
+
+def _unshard(state: Any, handle: Any, unshard_stream: Any = None, pre_unshard_stream: Any = None) -> Any:
+    """Gather the handle's flat parameter and show the unit's parameters full until `_reshard` (handle_torch_names.py
+    says how). torch before 2.1 took a list of handles; our units list theirs in `_handles`, which such code reads."""
+    handles = _ours(state, handle)
+    if handles is None:
+        return NOT_OURS
+    for one in handles:
+        one.pre_unshard()
+        one.unshard()
+        one.post_unshard()
+    return None
+
+
+def _reshard(state: Any, handle: Any, free_unsharded_flat_param: bool | Sequence[bool]) -> Any:
+    """Back to the shard; the gathered storage is freed if `free_unsharded_flat_param` (else it is gathered afresh at
+    the next unshard, where torch's reuses it). torch before 2.1 took lists of handles and of flags."""
+    handles = _ours(state, handle)
+    if handles is None:
+        return NOT_OURS
+    flags = free_unsharded_flat_param
+    frees = flags if isinstance(flags, Sequence) else [flags]
+    for one, free in zip(handles, frees, strict=True):
+        one.reshard(bool(free))
+        one.post_reshard()
+    return None
+
+
+def _get_fsdp_states(module: nn.Module) -> Any:
+    """The units in `module`'s tree, itself included, in pre-order (torch's traversal order)."""
+    return fsdp_modules(module) if _has_units(module) else NOT_OURS
+
+
+def _get_fsdp_handles(module: nn.Module) -> Any:
+    """Every handle of every unit in `module`'s tree, in pre-order: a unit mixing dtypes has one per dtype (torch's
+    units have one), so code walking them meets every flat parameter, as `FSDP._all_handles` lists them."""
+    if not _has_units(module):
+        return NOT_OURS
+    return [handle for unit in fsdp_modules(module) for handle in unit._handles]
+
+
+def _has_units(module: nn.Module) -> bool:
+    return isinstance(module, nn.Module) and any(isinstance(m, FSDPUnit) for m in module.modules())
+
+
+def _ours(state: Any, handle: Any) -> list[FlatParamHandle] | None:
+    """`handle` (or torch 2.0's list of handles, empty for a unit without parameters) as a list of our handles, or
+    None when it is not ours."""
+    if isinstance(handle, (list, tuple)):
+        handles = list(handle)
+        if isinstance(state, FSDPUnit) and all(isinstance(one, FlatParamHandle) for one in handles):
+            return handles
+        return None
+    return [handle] if isinstance(handle, FlatParamHandle) else None
