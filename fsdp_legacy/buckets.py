@@ -97,7 +97,7 @@ def unshard_together(handles: Sequence[FlatParamHandle]) -> None:
 
 
 def _can_gather(handle: FlatParamHandle) -> bool:
-    return handle.sharded and handle.needs_unshard and handle.world_size > 1
+    return handle.sharded and handle.must_gather and handle.world_size > 1
 
 
 def _compatible(handle: FlatParamHandle, first: FlatParamHandle) -> bool:

@@ -214,7 +214,7 @@ class TorchFlatParamMetadata:
         handle = self._metadata_source()
         if not handle.offload:
             raise AttributeError("_cpu_grad")
-        grad = handle.sharded_grad()
+        grad = handle.local_sharded_grad()
         return grad if grad is not None else torch.zeros_like(handle.local_shard)
 
 

@@ -50,6 +50,10 @@ _EAGER_RUNTIME = (
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
+# What every unit under one root must agree on (torch's `_runtime_utils.HOMOGENEOUS_ATTR_NAMES`).
+_HOMOGENEOUS_ATTRIBUTES = ("_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval")
+
+
 class FullyShardedDataParallel(FSDPUnit):
     """Shards a module's parameters, gradients and optimizer state across ranks (torch FSDP1's API).
 
@@ -245,6 +249,10 @@ class FullyShardedDataParallel(FSDPUnit):
         if self._runtime is not None:
             return self._runtime
         units = FullyShardedDataParallel.fsdp_modules(self)
+        for name in _HOMOGENEOUS_ATTRIBUTES:  # settings the runtime reads once for all units: torch's check
+            values = {getattr(unit, name) for unit in units}
+            if len(values) != 1:
+                raise ValueError(f"Expects one homogeneous value for {name} but got {values}")
         check_same_model(describe_units(self, units), (self.process_group, self._inter_node_pg), self.compute_device)
         runtime = Runtime(self, units)
         for unit in units:

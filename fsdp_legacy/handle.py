@@ -288,7 +288,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         dtype = self.local_shard.dtype if full_precision else self.compute_dtype
         if dtype == self.full_padded.dtype:
             return
-        if not self.needs_unshard:  # still gathered in the other precision from a forward (SHARD_GRAD_OP): let go
+        if not self.must_gather:  # still gathered in the other precision from a forward (SHARD_GRAD_OP): let go
             self.reshard()
         if dtype not in self._unsharded_buffers:
             buffer = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.compute_device)
@@ -315,12 +315,13 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         return cached
 
     @property
-    def needs_unshard(self) -> bool:
+    def must_gather(self) -> bool:
+        """Neither unsharded nor being gathered (torch's `needs_unshard()`, a method: handle_torch_names.py)."""
         return not self.is_unsharded and self.unshard_work is None
 
-    def unshard(self) -> None:
+    def start_unshard(self) -> None:
         """Issue the all-gather of the full flat parameter (asynchronously); `wait_unshard` completes it."""
-        if not self.needs_unshard:
+        if not self.must_gather:
             return
         self.prepare_unshard()
         if not self.sharded:  # NO_SHARD in low precision: a local cast, nothing to gather
@@ -340,14 +341,14 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
     def wait_unshard(self) -> None:
         if self.is_unsharded:
             return
-        self.unshard()
+        self.start_unshard()
         self._finish_unshard_work()
         self.flat_param.data = self.full_padded  # `.grad` may keep the sharded gradient's shape: see above
         self.is_unsharded = True
 
     def _finish_unshard_work(self) -> None:
         work, self.unshard_work = self.unshard_work, None
-        assert work is not None, "unshard() issues the all-gather first"
+        assert work is not None, "start_unshard() issues the all-gather first"
         work.wait()
         gather_input, self._gather_input = self._gather_input, None
         if gather_input is not None and gather_input is not self.local_shard and gather_input.device.type == "cpu":
@@ -355,8 +356,10 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             # keeps its inputs, is released (gloo's may outlive wait()).
             free_storage(gather_input)
 
-    def reshard(self, free: bool = True) -> None:
-        """Back to the local shard and free the unsharded storage (unless `free` is False: finish_backward)."""
+    def reshard(self, free_unsharded_flat_param: bool = True) -> None:
+        """Back to the local shard and free the unsharded storage (unless told not to: finish_backward). torch's
+        name and meaning for the argument, which code passes by keyword."""
+        free = free_unsharded_flat_param
         self.kept_gathered = self.uses_buffer and not free
         self.drop_unsharded_views()
         if not self.uses_buffer:

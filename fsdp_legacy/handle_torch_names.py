@@ -56,11 +56,17 @@ class TorchHandleNames:
     _fully_sharded_module: nn.Module  # the module the handle's FSDP unit wraps (torch's "fully sharded module")
 
     @property
-    def needs_unshard(self) -> bool:
+    def must_gather(self) -> bool:
+        raise NotImplementedError  # (FlatParamHandle)
+
+    def start_unshard(self) -> None:
         raise NotImplementedError  # (FlatParamHandle)
 
     def wait_unshard(self) -> None:
         raise NotImplementedError  # (FlatParamHandle)
+
+    def local_sharded_grad(self) -> torch.Tensor | None:
+        raise NotImplementedError  # (OrigParamGrads)
 
     def use_unsharded_views(self) -> None:
         raise NotImplementedError  # (FlatParamHandle)
@@ -124,6 +130,12 @@ class TorchHandleNames:
 
     # (`_orig_param_dtype` and `_offload_params` are the handle's own.)
 
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """This rank's sharded gradient in the flat layout, None if there is none (with use_orig_params=True ours keeps
+        the gradients on the original parameters: assembled, a copy)."""
+        return self.local_sharded_grad()
+
     def is_sharded(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` has the size of this rank's shard of the flat parameter; always False for NO_SHARD."""
         return self.sharded and tensor.size() == torch.Size([self.layout.shard_numel])
@@ -138,14 +150,24 @@ class TorchHandleNames:
     # ----------------------------------------------------------------------------------------------------------------
     # torch's unshard / reshard sequence: pre_unshard(); unshard(); post_unshard() ... reshard(free); post_reshard()
 
+    def needs_unshard(self) -> bool:
+        """Whether `unshard()` would gather: the flat parameter is neither unsharded nor being gathered."""
+        return self.must_gather
+
+    def unshard(self) -> None:
+        """Gather the flat parameter: afterwards it holds the unsharded data (padded, in the compute dtype), as
+        torch's `unshard()` leaves it; `post_unshard()` shows the original parameters."""
+        self.start_unshard()
+        self.wait_unshard()
+
     def pre_unshard(self) -> bool:
         """Take in edits of the original parameters (use_orig_params=True) before the gather. Returns whether the
         gather then needs a cast or a copy of the shard to the compute device (torch's stream-ordering answer)."""
         self.writeback_orig_params()
-        return self.needs_unshard and (self.mixed or self.offload)
+        return self.must_gather and (self.mixed or self.offload)
 
     def post_unshard(self) -> None:
-        """Complete the gather `unshard()` issued and show the gathered parameters: in forward or backward as the
+        """Complete the gather (if `unshard()` did not) and show the gathered parameters: in forward or backward as the
         runtime shows them; otherwise (code driving the handle between steps) as module attributes and, with
         use_orig_params=True, also registered in their modules, so `named_parameters()` lists them full, as torch's
         does. Without autograd history, and for reading: as in torch, edits reach the shard only where the gathered

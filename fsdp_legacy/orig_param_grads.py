@@ -122,7 +122,7 @@ class OrigParamGrads:
             offset += numel
         self._compact_grad, self._compact_views = buffer, views
 
-    def sharded_grad(self) -> torch.Tensor | None:
+    def local_sharded_grad(self) -> torch.Tensor | None:
         """This rank's sharded gradient in the flat shard's layout (assembled, zero-filled, when it lives on the
         original parameters); None if there is none."""
         if not self.grads_on_orig_params:

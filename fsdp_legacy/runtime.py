@@ -79,7 +79,7 @@ class Runtime:
             if self.exec_order is not None and not rerun_in_backward:
                 self.exec_order.pre_forward(unit, unit.training)
             for handle in unit._handles:
-                if not handle.needs_unshard:  # a gathering unit writes back in unshard(), before its all-gather
+                if not handle.must_gather:  # a gathering unit writes back in start_unshard(), before its all-gather
                     handle.writeback_orig_params()
                 handle.training_state = HandleTrainingState.FORWARD
                 unit._hook_post_backward(handle)  # (unfrozen since it was wrapped)
@@ -320,7 +320,7 @@ class Runtime:
         """All-gather the unit's flat parameters; a small one takes the units expected next along in the same
         collective (buckets.py): those that follow in forward order, or precede it in backward."""
         for handle in unit._handles:
-            if not handle.needs_unshard or (only_sharded and not handle.sharded):
+            if not handle.must_gather or (only_sharded and not handle.sharded):
                 continue
             if self.limit_all_gathers:
                 while len(self.reshard_events) >= MAX_INFLIGHT_RESHARDS:
@@ -332,7 +332,7 @@ class Runtime:
             if len(group) > 1:
                 unshard_together(group)
             else:
-                handle.unshard()
+                handle.start_unshard()
 
     def _reshard(self, handle: FlatParamHandle) -> None:
         handle.reshard()

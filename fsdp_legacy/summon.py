@@ -81,6 +81,10 @@ def _summon_handle(
             return
         if offload_to_cpu and full.device.type != "cpu":
             full = full.cpu()
+        # Meanwhile the flat parameter is the unsharded one, without the world padding, as torch's.
+        data_before = handle.flat_param.data
+        if handle.sharded:
+            handle.flat_param.data = full[: handle.layout.numel]
         _expose(unit, handle, full, full_grad)
         try:
             yield
@@ -89,6 +93,7 @@ def _summon_handle(
                 n = handle.layout.shard_numel
                 with torch.no_grad():
                     handle.local_shard.copy_(full[handle.rank * n : (handle.rank + 1) * n])
+            handle.flat_param.data = data_before
             _hide(unit, handle)
     finally:
         handle.training_state = HandleTrainingState.IDLE
@@ -135,7 +140,7 @@ def _in_registration_order(unit: FSDPUnit) -> None:
 def _gather_grad(handle: FlatParamHandle) -> torch.Tensor | None:
     """The whole flat gradient, or None if no rank has one. With use_orig_params=True a rank holding only frozen
     parameters has none of its own, so the ranks agree first, and such a rank contributes zeros."""
-    grad = handle.sharded_grad()
+    grad = handle.local_sharded_grad()
     if handle.sharded:
         anyone = torch.tensor([float(grad is not None)], device=handle.compute_device)
         dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=handle.group)

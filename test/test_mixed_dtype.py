@@ -100,7 +100,7 @@ def _trains_like_ddp(strategy: str, use_orig_params: bool, extra: dict, model_kw
     _assert_matches(ours, reference, f"{strategy} uop={use_orig_params}")
     for handle in block._handles:  # integer and frozen groups never get a gradient
         if not handle.flat_param.requires_grad:
-            assert handle.flat_param.grad is None and handle.sharded_grad() is None
+            assert handle.flat_param.grad is None and handle.local_sharded_grad() is None
 
 
 @parameterized.expand(

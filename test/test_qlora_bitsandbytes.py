@@ -193,7 +193,7 @@ def _trains_like_ddp(strategy: str, use_orig_params: bool, train_norms: bool) ->
     for unit in blocks:  # the 4-bit weights never get a gradient
         for handle in unit._handles:
             if handle.local_shard.dtype == torch.uint8:
-                assert handle.flat_param.grad is None and handle.sharded_grad() is None
+                assert handle.flat_param.grad is None and handle.local_sharded_grad() is None
 
     full = full_params(ours)
     for name, param in reference.named_parameters():

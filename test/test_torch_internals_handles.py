@@ -336,3 +336,33 @@ def _real_code_matches_torch(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_purge_and_ema_over_handles_like_real_code_match_torch(strategy: str) -> None:
     run_on_ranks(_real_code_matches_torch, 2, strategy)
+
+
+def _handle_methods(ours: bool, use_orig_params: bool) -> list[Any]:
+    """The handle driven by its own methods, as code written for torch's does: `needs_unshard()`, `unshard()` (the
+    flat parameter then holds the gathered data), `post_unshard()`, `reshard(free_unsharded_flat_param=True)`."""
+    config = _config("FULL_SHARD", use_orig_params, False)
+    model = build_ours(config)[1] if ours else build_torch_fsdp(config)
+    model(_input(config, 0))  # the lazy initialisation
+    handle = _units(model)[-1]._handle
+    flat = handle.flat_param
+    seen: list[Any] = [handle.needs_unshard()]
+    handle.pre_unshard()
+    handle.unshard()
+    unpadded = flat._unpadded_unsharded_size.numel()
+    seen += [handle.needs_unshard(), flat[:unpadded].detach().clone()]
+    handle.post_unshard()
+    handle.reshard(free_unsharded_flat_param=True)
+    handle.post_reshard()
+    seen += [handle.needs_unshard(), flat.numel(), handle.is_sharded(flat)]
+    return seen
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_the_handle_driven_by_its_own_methods_matches_torch(use_orig_params: bool) -> None:
+    theirs = run_on_ranks(_handle_methods, 2, False, use_orig_params)
+
+    ours = run_on_ranks(_handle_methods, 2, True, use_orig_params)
+    for mine, torchs in zip(ours, theirs, strict=True):
+        assert mine[:2] == torchs[:2] and mine[3:] == torchs[3:], (mine, torchs)
+        assert torch.equal(mine[2], torchs[2])
