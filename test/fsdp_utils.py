@@ -207,3 +207,13 @@ def layout_keys() -> Iterator[None]:
         yield
     finally:
         del os.environ["FSDP_LEGACY_LAYOUT_KEYS"]
+
+
+@contextlib.contextmanager
+def switched_on() -> Iterator[None]:
+    """The switch (fsdp_legacy.install()) on for the block: torch's FSDP1 names resolve to ours."""
+    fsdp_legacy.install()
+    try:
+        yield
+    finally:
+        fsdp_legacy.uninstall()

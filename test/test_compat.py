@@ -6,14 +6,12 @@ torch's DSD helpers on torch's FSDP1 (the same state dicts from the same helpers
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import subprocess
 import sys
 import types
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_legacy
 from fsdp_legacy import wrap as our_wrap
-from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of
+from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of, switched_on
 from harness import run_on_ranks
 from test_optim_state import adam, train
 
@@ -36,15 +34,6 @@ FSDP1_MODULES = (
     "torch.distributed.fsdp.wrap",
     "torch.distributed.fsdp.sharded_grad_scaler",
 )
-
-
-@contextlib.contextmanager
-def switched_on() -> Iterator[None]:
-    fsdp_legacy.install()
-    try:
-        yield
-    finally:
-        fsdp_legacy.uninstall()
 
 
 def _namespaces() -> dict[str, dict[str, object]]:

@@ -256,17 +256,22 @@ class _TwoPaths(nn.Module):
         self.alternate = not self.alternate
 
 
+def _two_paths_wrapped(ours: bool, strategy: str) -> nn.Module:
+    """torch's wrapping of it: each path a unit, under a root."""
+    wrapper = FSDP if ours else _torch_fsdp()
+    model = _TwoPaths()
+    sharding = getattr(ShardingStrategy, strategy)
+    model.layer1 = wrapper(model.layer1, sharding_strategy=sharding)
+    model.layer2 = wrapper(model.layer2, sharding_strategy=sharding)
+    return wrapper(model, sharding_strategy=sharding)
+
+
 def _flipped_first_forward(ours: bool, strategy: str) -> str:
     """torch's test_invalid_first_iter_order: every rank but 0 runs the other path from the first forward on."""
-    wrapper = FSDP if ours else _torch_fsdp()
     level = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     try:
-        model = _TwoPaths()
-        sharding = getattr(ShardingStrategy, strategy)
-        model.layer1 = wrapper(model.layer1, sharding_strategy=sharding)
-        model.layer2 = wrapper(model.layer2, sharding_strategy=sharding)
-        fsdp = wrapper(model, sharding_strategy=sharding)
+        fsdp = _two_paths_wrapped(ours, strategy)
         if dist.get_rank() != 0:
             fsdp.module.flip()
         with warnings.catch_warnings():
@@ -291,15 +296,10 @@ def test_torch_order_check_reports_ranks_that_run_different_units(strategy: str)
 def _flipped_later(ours: bool, strategy: str, iterations_before: int) -> list[str]:
     """torch's test_invalid_later_iter_order: all ranks agree first, then every rank but 0 flips the path; the order
     warnings each rank gets over two more iterations."""
-    wrapper = FSDP if ours else _torch_fsdp()
     level = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     try:
-        model = _TwoPaths()
-        sharding = getattr(ShardingStrategy, strategy)
-        model.layer1 = wrapper(model.layer1, sharding_strategy=sharding)
-        model.layer2 = wrapper(model.layer2, sharding_strategy=sharding)
-        fsdp = wrapper(model, sharding_strategy=sharding)
+        fsdp = _two_paths_wrapped(ours, strategy)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for iteration in range(iterations_before + 2):

@@ -11,9 +11,7 @@ parameters without an accelerator: ours offloaded is held to torch's values with
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,20 +24,11 @@ from torch import nn
 
 import fsdp_legacy
 from fsdp_legacy import naming
-from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of, optimizer
+from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of, optimizer, switched_on
 from harness import run_on_ranks
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 MIXED = ("bfloat16",) * 3
-
-
-@contextlib.contextmanager
-def switched_on() -> Iterator[None]:
-    fsdp_legacy.install()
-    try:
-        yield
-    finally:
-        fsdp_legacy.uninstall()
 
 
 def _config(strategy: str, use_orig_params: bool, mixed: bool, **extra: object) -> Config:

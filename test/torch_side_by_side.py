@@ -8,7 +8,7 @@ import contextlib
 import importlib
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_legacy
+from fsdp_utils import switched_on
 from harness import run_on_ranks
 
 WORLD_SIZE = 2
@@ -23,15 +24,6 @@ WORLD_SIZE = 2
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Side by side: the same check on torch's FSDP1, then on ours under torch's names
-
-
-@contextlib.contextmanager
-def _switched_on() -> Iterator[None]:
-    fsdp_legacy.install()
-    try:
-        yield
-    finally:
-        fsdp_legacy.uninstall()
 
 
 def _fsdp() -> Any:
@@ -61,7 +53,7 @@ def _side_by_side(check: Callable[..., Any], *args: Any) -> dict[str, Any]:
     observed = {}
     for label in ("torch", "ours"):
         torch.manual_seed(0)
-        with _switched_on() if label == "ours" else contextlib.nullcontext(), warnings.catch_warnings():
+        with switched_on() if label == "ours" else contextlib.nullcontext(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             is_ours = _fsdp().FullyShardedDataParallel is fsdp_legacy.FullyShardedDataParallel
             assert is_ours == (label == "ours"), label
