@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .storage import freed_tensor
+
 
 class ParamInfo(NamedTuple):
     param_name: str
@@ -48,6 +50,7 @@ class TorchFlatParamMetadata:
 
     flat_layout: Any
     dtype: torch.dtype
+    _freed_mp_shard: torch.Tensor | None = None  # what `_mp_shard` shows, made at its first read
 
     def _metadata_source(self) -> Any:
         raise NotImplementedError
@@ -205,7 +208,9 @@ class TorchFlatParamMetadata:
         handle = self._metadata_source()
         if not handle.mixed:
             raise AttributeError("_mp_shard")
-        return handle.freed_placeholder("_mp_shard", handle.local_shard.numel(), handle.compute_dtype)
+        if self._freed_mp_shard is None:  # (one tensor, as torch's, whatever the number of reads)
+            self._freed_mp_shard = freed_tensor(handle.local_shard.numel(), handle.compute_dtype, handle.compute_device)
+        return self._freed_mp_shard
 
     @property
     def _cpu_grad(self) -> torch.Tensor:

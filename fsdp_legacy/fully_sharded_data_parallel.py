@@ -7,7 +7,6 @@ FlatParameter and shard it. Runtime behaviour lives in runtime.py, the flat para
 
 import contextlib
 import functools
-import os
 import sys
 import traceback
 import warnings
@@ -31,7 +30,7 @@ from .construction import (
 from .conversion import converting
 from .flat_param import FlatParameter, ParamRef, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
-from .runtime import Runtime
+from .runtime import Runtime, full_precision_eval_requested
 from .same_model import check_same_model, describe_plan, describe_units
 from .state import optim_state as _optim_state
 from .state import optim_state_legacy as _optim_state_legacy
@@ -301,8 +300,8 @@ class FullyShardedDataParallel(FSDPUnit):
     @property
     def _use_full_prec_in_eval(self) -> bool:
         """FSDP_USE_FULL_PREC_IN_EVAL, one of the attributes torch requires equal on every unit
-        (`_runtime_utils.HOMOGENEOUS_ATTR_NAMES`); read as the runtime reads it, at each root forward."""
-        return os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"
+        (`_runtime_utils.HOMOGENEOUS_ATTR_NAMES`)."""
+        return full_precision_eval_requested()
 
     @property
     def _fqn_modifiers(self) -> Any:

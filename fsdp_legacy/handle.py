@@ -37,7 +37,7 @@ from .handle_torch_names import TorchHandleNames
 from .naming import FLAT_PARAM
 from .orig_param_grads import OrigParamGrads
 from .orig_param_views import OrigParamViews
-from .storage import alloc_storage, free_storage
+from .storage import alloc_storage, free_storage, freed_tensor
 from .tensor_parallel import DTensorParam, local_tensor
 
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
@@ -94,7 +94,6 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
         self.post_backward_hooked = False  # the flat parameter's post-accumulate-grad hook is registered
-        self._freed_placeholders: dict[str, torch.Tensor] = {}  # torch's runtime tensors we do not keep (metadata)
         self.forward_views: dict[ParamInfo, torch.Tensor] = {}  # use_orig_params: forward's views, until resharded
 
         params = list({id(ref.param): ref.param for ref in references}.values())
@@ -207,15 +206,14 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         `reuse`: a full-size tensor of the local shard's dtype on the compute device that may serve as the buffer."""
         numel, device = self.layout.padded_numel, self.compute_device
         if self.mixed or self.offload:
-            self.full_padded = torch.empty(numel, dtype=self.compute_dtype, device=device)
-            free_storage(self.full_padded)
+            self.full_padded = freed_tensor(numel, self.compute_dtype, device)
             self._unsharded_buffers = {self.compute_dtype: self.full_padded}  # by dtype: see select_precision
         elif self.sharded:
             if reuse is not None and reuse.dtype == self.local_shard.dtype and reuse.device == device:
                 self.full_padded = reuse
+                free_storage(self.full_padded)
             else:
-                self.full_padded = torch.empty(numel, dtype=self.local_shard.dtype, device=device)
-            free_storage(self.full_padded)
+                self.full_padded = freed_tensor(numel, self.local_shard.dtype, device)
         else:
             self.full_padded = self.local_shard
 
@@ -290,29 +288,15 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             return
         if not self.must_gather:  # still gathered in the other precision from a forward (SHARD_GRAD_OP): let go
             self.reshard()
-        if dtype not in self._unsharded_buffers:
-            buffer = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.compute_device)
-            free_storage(buffer)
-            self._unsharded_buffers[dtype] = buffer
-        self.full_padded = self._unsharded_buffers[dtype]
+        self.full_padded = self.unsharded_buffer(dtype)
 
     def unsharded_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """The unsharded buffer that gathers in `dtype` (storage freed while sharded; made, freed, if none yet)."""
         if not (self.mixed or self.offload):
             return self.full_padded
         if dtype not in self._unsharded_buffers:
-            self._unsharded_buffers[dtype] = self.freed_placeholder(None, self.layout.padded_numel, dtype)
+            self._unsharded_buffers[dtype] = freed_tensor(self.layout.padded_numel, dtype, self.compute_device)
         return self._unsharded_buffers[dtype]
-
-    def freed_placeholder(self, key: str | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of `numel` elements on the compute device with its storage freed (cached under `key`)."""
-        cached = self._freed_placeholders.get(key) if key is not None else None
-        if cached is None:
-            cached = torch.empty(numel, dtype=dtype, device=self.compute_device)
-            free_storage(cached)
-            if key is not None:
-                self._freed_placeholders[key] = cached
-        return cached
 
     @property
     def must_gather(self) -> bool:

@@ -154,7 +154,7 @@ class Runtime:
                     if handle.unshard_work is not None or handle.kept_gathered:
                         self._reshard(handle)
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
-        self.full_precision_eval = not self.root.training and os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
+        self.full_precision_eval = not self.root.training and full_precision_eval_requested()
         for unit in self.units:
             for handle in unit._handles:
                 handle.select_precision(self.full_precision_eval)
@@ -340,6 +340,12 @@ class Runtime:
             event = torch.cuda.Event()
             event.record()
             self.reshard_events.append(event)
+
+
+def full_precision_eval_requested() -> bool:
+    """torch FSDP1's switch FSDP_USE_FULL_PREC_IN_EVAL=1: in eval mode, mixed-precision units compute in full
+    precision. Read at each root forward, as torch reads it."""
+    return os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
 
 
 def _inside_backward() -> bool:

@@ -12,6 +12,13 @@ def free_storage(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(0)
 
 
+def freed_tensor(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `numel` elements whose storage is freed until `alloc_storage`."""
+    tensor = torch.empty(numel, dtype=dtype, device=device)
+    free_storage(tensor)
+    return tensor
+
+
 def alloc_storage(tensor: torch.Tensor) -> None:
     storage = tensor.untyped_storage()
     nbytes = tensor.numel() * tensor.element_size()
