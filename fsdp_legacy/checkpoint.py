@@ -1,6 +1,7 @@
 """fsdp_legacy.checkpoint, the public checkpoint API: drop-ins for torch.distributed.checkpoint.state_dict's helpers
 that work on fsdp_legacy models, and the streamed full-model save/load. The code lives in state/ (checkpoint.py,
-hf_checkpoint.py); this module keeps the import path users have."""
+hf_checkpoint.py); this module keeps the import path users have. `latest(root)` finds the newest complete checkpoint
+under a folder, agreed by every rank (state/latest.py)."""
 
 from .state.checkpoint import (
     Optimizers,
@@ -12,12 +13,16 @@ from .state.checkpoint import (
     set_state_dict,
 )
 from .state.hf_checkpoint import load_full_model, save_full_model
+from .state.latest import LatestCheckpoint, SkippedCheckpoint, latest
 
 __all__ = [
+    "LatestCheckpoint",
     "Optimizers",
+    "SkippedCheckpoint",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "get_state_dict",
+    "latest",
     "load_full_model",
     "save_full_model",
     "set_model_state_dict",

@@ -28,6 +28,7 @@ __all__ = [
     "DTYPES",
     "SAFE_INDEX",
     "SAFE_WEIGHTS",
+    "SAVED_AT",
     "SAVE_ID",
     "SafetensorsHeader",
     "SafetensorsWriter",
@@ -58,6 +59,7 @@ _MAX_HEADER = 100_000_000  # the safetensors package refuses longer headers
 # The identity of one save, repeated in the __metadata__ of each of its files and in its index: a directory whose files
 # name different ones was mixed from several saves.
 SAVE_ID = "fsdp_legacy_save_id"
+SAVED_AT = "fsdp_legacy_saved_at"  # when the save began, seconds since the epoch: which save is newest (latest.py)
 
 
 def parse_size(size: int | str) -> int:

@@ -33,6 +33,8 @@ def test_checkpoint_spellings_are_one_api() -> None:
     assert checkpoint is fsdp_legacy.checkpoint
     for name in checkpoint.__all__:
         home = fsdp_legacy.state.hf_checkpoint if name.endswith("full_model") else fsdp_legacy.state.checkpoint
+        if name in ("latest", "LatestCheckpoint", "SkippedCheckpoint"):
+            home = fsdp_legacy.state.latest
         assert getattr(checkpoint, name) is getattr(home, name), name
 
 

@@ -34,6 +34,7 @@ from ..convert.torch_file import load_tree
 from ..convert.verl_files import clean_fqn, verl_files
 from ..convert.views import Composite, Rename, renamed
 from .common import EXIT_CODES, EXIT_OK, UsageError, check_source, human_bytes, progress
+from .latest_checkpoint import run_latest
 
 HELP = "show what a checkpoint holds (format, world size, parameters, dtypes, size) without reading its tensors"
 
@@ -51,6 +52,7 @@ EXAMPLES = f"""examples:
   fsdp-legacy inspect 'ckpt/rank*.pt'                 # per-rank torch.save files (quoted glob, or their directory)
   fsdp-legacy inspect out/checkpoint-100 --json       # Accelerate's save_state directory, as JSON
   fsdp-legacy inspect global_step_50/actor            # verl's per-rank files
+  fsdp-legacy inspect --latest ckpt                   # the newest complete checkpoint under ckpt/, what was skipped
 
 {EXIT_CODES}"""
 
@@ -63,7 +65,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("path", help="the checkpoint: a directory, a torch.save file, or a quoted glob of per-rank files")
+    p.add_argument(
+        "path", nargs="?", help="the checkpoint: a directory, a torch.save file, or a quoted glob of per-rank files"
+    )
+    p.add_argument(
+        "--latest",
+        metavar="ROOT",
+        help="instead: which checkpoint under the folder ROOT a restarted job resumes from (the newest complete and "
+        "intact one), and why each newer one was skipped; exit code 1 when none is usable",
+    )
     p.add_argument(
         "--from",
         dest="source_layout",
@@ -477,6 +487,10 @@ def as_text(found: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.path is None) == (args.latest is None):
+        raise UsageError("pass either a checkpoint PATH or --latest ROOT (the folder that holds the checkpoints).")
+    if args.latest is not None:
+        return run_latest(args.latest, args.json)
     check_source(args.path, "checkpoint")
     if os.path.isfile(args.path) and args.path.endswith(".safetensors"):
         raise UsageError(

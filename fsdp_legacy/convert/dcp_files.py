@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import struct
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -247,6 +248,16 @@ def _stamp_of(path: str, extent: int) -> tuple[str, str | None]:
     return "save", save_id
 
 
+def ends_with_stamp(path: str) -> bool:
+    """Whether a data file ends with a save stamp of ours (written before the side file, which completes a save)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(max(0, file.seek(0, io.SEEK_END) - len(_STAMP)))
+            return file.read() == _STAMP
+    except OSError:
+        return False
+
+
 def check_side_file(directory: str, side: SideFile, metadata: Metadata) -> None:
     """The side file must be of the save `.metadata` describes."""
     expected = getattr(metadata.storage_meta, "save_id", None)
@@ -290,7 +301,7 @@ def _stamp(directory: str, metadata: Metadata, records: Mapping[str, Iterable[Fl
     for name in names:
         stamp_file(os.path.join(directory, name), save_id)
     crcs = {name: file_crc(os.path.join(directory, name)) for name in [*names, METADATA_FILE]}
-    write_side_file(directory, save_id, records, crcs)
+    write_side_file(directory, save_id, records, crcs, saved_at=time.time())
 
 
 def read_metadata(file: str) -> Metadata:

@@ -2,7 +2,8 @@
 DCP itself does not keep.
 
     <directory>/.fsdp_legacy.json   {"format", "version", "save_id", "records": {section: [record JSON]},
-                                     "files": {name: CRC-32 of the whole file}}
+                                     "files": {name: CRC-32 of the whole file},
+                                     "saved_at": seconds since the epoch (since 0.x; absent before)}
 
 * `records`: the layout records of LOCAL state dicts (DCP saves tensors and drops the state dict's `_metadata`,
   where they travel otherwise), by the dotted path of the state dict in the saved tree ("" for a bare one);
@@ -34,6 +35,7 @@ class SideFile:
     save_id: str | None
     records: Mapping[str, tuple[FlatParamRecord, ...]]  # dotted path of a state dict in the saved tree -> records
     files: Mapping[str, int]  # file name -> CRC-32
+    saved_at: float | None = None  # when the save completed (seconds since the epoch): what is newest (latest.py)
 
 
 def file_crc(path: str) -> int:
@@ -45,15 +47,21 @@ def file_crc(path: str) -> int:
 
 
 def write_side_file(
-    directory: str, save_id: str | None, records: Mapping[str, Iterable[FlatParamRecord]], files: Mapping[str, int]
+    directory: str,
+    save_id: str | None,
+    records: Mapping[str, Iterable[FlatParamRecord]],
+    files: Mapping[str, int],
+    saved_at: float | None = None,
 ) -> None:
-    body = {
+    body: dict[str, object] = {
         "format": _FORMAT,
         "version": _VERSION,
         "save_id": save_id,
         "records": {section: [r.to_json() for r in found] for section, found in records.items()},
         "files": dict(sorted(files.items())),
     }
+    if saved_at is not None:
+        body["saved_at"] = saved_at
     temporary = os.path.join(directory, f"{SIDE_FILE}.tmp-{os.getpid()}")
     with open(temporary, "w") as file:
         json.dump(body, file)
@@ -84,6 +92,9 @@ def read_side_file(directory: str) -> SideFile | None:
         sections = body["records"].items()
         if save_id is not None and not isinstance(save_id, str):
             raise TypeError("save_id is not a string")
+        saved_at = body.get("saved_at")
+        if saved_at is not None and not isinstance(saved_at, (int, float)):
+            raise TypeError("saved_at is not a number")
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(
             f"{path} is damaged ({error}): restore the checkpoint directory from a copy, or save it again."
@@ -94,7 +105,7 @@ def read_side_file(directory: str) -> SideFile | None:
         )
         for section, found in sections
     }
-    return SideFile(save_id, records, files)
+    return SideFile(save_id, records, files, None if saved_at is None else float(saved_at))
 
 
 def check_files(directory: str, side: SideFile, names: Iterable[str] | None = None) -> None:

@@ -15,6 +15,7 @@ state: a file of another save or a flipped bit is refused, naming the file, with
 
 import contextlib
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,8 @@ from ..convert.dcp_files import (
 from ..convert.errors import CheckpointError
 from ..convert.record import FlatParamRecord, records_in_metadata
 from ..convert.side_file import SIDE_FILE, check_files, file_crc, read_side_file, write_side_file
+from .fresh_optim import mark_checked
+from .partial_load import check_complete_load
 
 
 def save(state: dict[str, Any], checkpoint_id: str, *, process_group: dist.ProcessGroup | None = None) -> Metadata:
@@ -66,7 +69,7 @@ def save(state: dict[str, Any], checkpoint_id: str, *, process_group: dist.Proce
         try:
             everything = {name: crc for share, _ in shares for name, crc in share.items()}
             everything[METADATA_FILE] = file_crc(os.path.join(checkpoint_id, METADATA_FILE))
-            write_side_file(checkpoint_id, save_id, records, everything)
+            write_side_file(checkpoint_id, save_id, records, everything, saved_at=time.time())
             error = None
         except OSError as failure:
             error = f"Could not write {os.path.join(checkpoint_id, SIDE_FILE)}: {failure}"
@@ -74,17 +77,28 @@ def save(state: dict[str, Any], checkpoint_id: str, *, process_group: dist.Proce
     return metadata
 
 
-def load(state: dict[str, Any], checkpoint_id: str, *, process_group: dist.ProcessGroup | None = None) -> None:
+def load(
+    state: dict[str, Any],
+    checkpoint_id: str,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+) -> None:
     """Check the directory (one save, every file's CRC-32, the layout of LOCAL state dicts), the same outcome on every
-    rank, then dcp.load(state, checkpoint_id=...)."""
+    rank, then dcp.load(state, checkpoint_id=...). With `strict`, a section of `state` (a top-level key, such as
+    "optim") that would receive fewer tensors than the checkpoint holds under it is an error (partial_load.py);
+    sections `state` leaves out are not loaded."""
     rank, world_size = _rank(process_group)
     try:
         _check(state, checkpoint_id, rank, world_size)
+        if strict:
+            check_complete_load(state, read_metadata(os.path.join(checkpoint_id, METADATA_FILE)), checkpoint_id)
         error = None
     except CheckpointError as failure:
         error = str(failure)
     _raise_first(_gather(error, process_group, world_size))
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
+    mark_checked(state)  # checked above (or strict=False: the caller accepts a partial load): no refusal later
 
 
 def _check(state: dict[str, Any], directory: str, rank: int, world_size: int) -> None:

@@ -24,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from ..safetensors_format import (
     SAFE_INDEX,
     SAFE_WEIGHTS,
     SAVE_ID,
+    SAVED_AT,
     SafetensorsWriter,
     WeightsDirectory,
     new_save_id,
@@ -364,7 +366,7 @@ def save_full_model(
         names: list[str] = []
         handles: list[FlatParamHandle] = []
         files: dict[str, SafetensorsWriter] = {}
-        tmp, save_id = "", new_save_id()
+        tmp, save_id, saved_at = "", new_save_id(), f"{time.time():.6f}"
 
         def out(entry: _Entry) -> torch.dtype:
             return dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
@@ -382,7 +384,7 @@ def save_full_model(
                 tmp = stack.enter_context(atomic_directory(directory))
                 for shard, name in zip(shards, names, strict=True) if safe_serialization else ():
                     tensors = [(e.key, e.shape, out(e)) for e in shard]
-                    file = SafetensorsWriter(os.path.join(tmp, name), tensors, {SAVE_ID: save_id})
+                    file = SafetensorsWriter(os.path.join(tmp, name), tensors, {SAVE_ID: save_id, SAVED_AT: saved_at})
                     stack.callback(file.close)
                     files.update((entry.key, file) for entry in shard)
         except Exception as error:
@@ -391,7 +393,7 @@ def save_full_model(
         _write_all(tmp, shards, names, handles, out, files if safe_serialization else None, peers)
         if writer and peers.failure is None and len(shards) > 1:
             try:
-                _write_index(tmp, shards, names, out, safe_serialization, save_id)
+                _write_index(tmp, shards, names, out, safe_serialization, save_id, saved_at)
             except Exception as error:
                 peers.note(error)
         peers.agree(commit=stack.close)  # every rank's data arrived: rank 0 renames the directory into place
@@ -466,12 +468,14 @@ def _write_index(
     out: Callable[[_Entry], torch.dtype],
     safe: bool,
     save_id: str,
+    saved_at: str,
 ) -> None:
     entries = [entry for shard in shards for entry in shard]
     metadata = {
         "total_parameters": sum(e.numel for e in entries if not _is_buffer(e)),
         "total_size": sum(e.numel * out(e).itemsize for e in entries),
         SAVE_ID: save_id,
+        SAVED_AT: saved_at,
     }
     weight_map = {entry.key: name for shard, name in zip(shards, names, strict=True) for entry in shard}
     write_index(os.path.join(tmp, SAFE_INDEX if safe else BIN_INDEX), weight_map, metadata)

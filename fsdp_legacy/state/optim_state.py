@@ -32,6 +32,7 @@ from ..handle import FlatParamHandle
 from ..naming import clean_fqn
 from ..tensor_parallel import DTensorParam
 from ..unit import FSDPUnit
+from .fresh_optim import check_load_target, note_returned
 from .optim_state_named import by_param_ids, keyed_by_name
 from .state_dict import chunk_sharded_tensor, clean_key, detached_copy, get_state_dict_type
 from .state_dict_dtensor import chunk_dtensor, uses_dtensor
@@ -177,9 +178,11 @@ def optim_state_dict(
     settings = get_state_dict_type(model)
     if settings is None:
         raise ValueError("optim_state_dict needs a model with at least one FullyShardedDataParallel unit.")
-    return save_optim_state(
+    result = save_optim_state(
         model, optim, optim_state_dict, settings.state_dict_type, settings.optim_state_dict_config, group
     )
+    note_returned(optim, result)  # a fresh optimizer's dict may come back as a load target (fresh_optim.py)
+    return result
 
 
 @torch.no_grad()
@@ -395,6 +398,7 @@ def optim_state_dict_to_load(
         raise ValueError("optim_state_dict_to_load needs a model with at least one FullyShardedDataParallel unit.")
     config = settings.optim_state_dict_config
     rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
+    check_load_target(model, optim, optim_state_dict, group)
     result = optim_state_to_load(model, optim, optim_state_dict, broadcast=rank0_only, group=group)
     if load_directly:
         optim.load_state_dict(result)

@@ -30,8 +30,8 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def _train(model: torch.nn.Module, steps: int = 3) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+def _train(model: torch.nn.Module, steps: int = 3, optimizer: torch.optim.Optimizer | None = None) -> None:
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
         model(models.Net.batch(100 * step + dist.get_rank())).pow(2).sum().backward()
         optimizer.step()
@@ -92,7 +92,7 @@ def main() -> None:
             dcp_checkpoint.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}, path)
         other = build(seed=1)
         other_optimizer = torch.optim.SGD(other.parameters(), lr=0.05, momentum=0.9)
-        _train(other, steps=1)
+        _train(other, steps=1, optimizer=other_optimizer)  # (an optimizer with state: its entries are loaded into)
         with FSDP.state_dict_type(other, api.StateDictType[kind]):
             state = {"model": other.state_dict(), "optim": FSDP.optim_state_dict(other, other_optimizer)}
             dcp_checkpoint.load(state, path)
