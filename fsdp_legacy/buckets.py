@@ -209,8 +209,9 @@ class ReduceBucket:
         outputs = [torch.empty(handle.layout.shard_numel, dtype=full.dtype, device=full.device) for handle in handles]
         # Each unit's shard of the sum goes into its own tensor: a unit's `.grad` must not share storage with another's.
         work = comm.reduce_scatter_pieces(outputs, full, first.group)
+        held = full if comm.input_read_at_wait(first.group) else None
         return [
-            PendingReduction(handle, work, output, full, post) for handle, output in zip(handles, outputs, strict=True)
+            PendingReduction(handle, work, output, held, post) for handle, output in zip(handles, outputs, strict=True)
         ]
 
 

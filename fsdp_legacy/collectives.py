@@ -48,6 +48,13 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+def input_read_at_wait(group: dist.ProcessGroup) -> bool:
+    """Whether a reduction's input must outlive the collective's issue: gloo's reduce-scatter reads it back at wait()
+    (`_AllReduceThenSlice`). Elsewhere c10d keeps an async collective's input alive until it completes, so the caller
+    drops it at once and its memory returns as soon as the collective is done, not when the caller next waits."""
+    return dist.get_backend(group) == "gloo"
+
+
 def reduce_scatter_pieces(outputs: list[torch.Tensor], full: torch.Tensor, group: dist.ProcessGroup) -> Waitable:
     """`reduce_scatter` whose chunk is written, in order, into several 1-D `outputs` (their sizes add up to a chunk):
     the reduced gradients of several units reduced together, each in its own tensor."""

@@ -36,7 +36,7 @@ class PendingReduction:
     handle: "FlatParamGrads"
     work: comm.Waitable
     output: torch.Tensor
-    input: torch.Tensor  # kept alive until the collective completes
+    input: torch.Tensor | None  # held until the collective completes where it is read back (comm.input_read_at_wait)
     post_divide: float
 
 
@@ -148,14 +148,16 @@ class FlatParamGrads:
             grad.div_(pre)
         if self.sharded:
             output = torch.empty(self.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-            return PendingReduction(self, comm.reduce_scatter(output, grad, self.group), output, grad, post)
+            work = comm.reduce_scatter(output, grad, self.group)
+            held = grad if comm.input_read_at_wait(self.group) else None
+            return PendingReduction(self, work, output, held, post)
         if self.world_size == 1:
             return PendingReduction(self, comm.DONE, grad, grad, post)
         return PendingReduction(self, comm.all_reduce(grad, self.group), grad, grad, post)
 
     def finish_reduction(self, pending: PendingReduction) -> None:
         pending.work.wait()
-        if pending.input is not pending.output and pending.input.device.type == "cpu":
+        if pending.input is not None and pending.input is not pending.output and pending.input.device.type == "cpu":
             # The unsharded gradient is dead now; free it at once rather than whenever the backend's work object
             # (which keeps its inputs) is released.
             free_storage(pending.input)
