@@ -26,3 +26,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def ranks() -> Callable[..., list[Any]]:
     """``ranks(fn, world_size, *args, timeout=120, **kwargs)`` -> results by rank."""
     return harness.run_on_ranks
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of the seams between torch releases (seams.py) with `seams`."""
+    import seams
+
+    for item in items:
+        if seams.seam_of(item.nodeid) is not None:
+            item.add_marker(pytest.mark.seams)
+    collected_files = {item.nodeid.split("::")[0].rsplit("/", 1)[-1] for item in items}
+    stale = [p for p in seams.unmatched([item.nodeid for item in items]) if p.split("::")[0] in collected_files]
+    if stale:
+        raise pytest.UsageError(f"test/seams.py: these patterns match no test (renamed?): {stale}")
