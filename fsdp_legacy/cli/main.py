@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..convert import CheckpointError
-from . import convert, inspect_checkpoint, mem_report
+from . import convert, inspect_checkpoint, mem_report, migrate
 from .common import EXIT_CODES, EXIT_FAILED, EXIT_USAGE, UsageError, error_line
 
 DESCRIPTION = """fsdp_legacy's commands: checkpoints converted and inspected offline (CPU, one process, no process
@@ -19,6 +19,7 @@ EXAMPLES = f"""examples:
   fsdp-legacy convert ckpt/local ckpt/fsdp2 --to dcp          # an FSDP1 LOCAL checkpoint -> FSDP2's layout
   fsdp-legacy convert ckpt/fsdp2 hf/ --to safetensors --dtype bfloat16
   fsdp-legacy mem-report --model gpt-7b --world-sizes 8,64 --mixed-precision bf16
+  fsdp-legacy migrate train.py --write                        # an FSDP1 program rewritten onto FSDP2
   python -m fsdp_legacy inspect ckpt/model.pt --json          # the same commands without the script on PATH
 
 {EXIT_CODES}"""
@@ -38,7 +39,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
-    for command in (inspect_checkpoint, convert, mem_report):
+    for command in (inspect_checkpoint, convert, mem_report, migrate):
         command.add_parser(commands)
     return parser
 

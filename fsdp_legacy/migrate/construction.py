@@ -1,0 +1,292 @@
+"""`model = FSDP(module, **kwargs)` as FSDP2 statements: a `fully_shard` call per unit of the auto-wrap policy and one
+for the root, the kwargs mapped onto fully_shard's, and what FSDP2 has no argument for made explicit around them.
+
+Everything is decided from the source text: a keyword whose value cannot be read faithfully is a problem, and one
+problem leaves the whole construction as it was (a partial rewrite would train differently without saying so)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+Code = Callable[[cst.CSTNode], str]  # a node's source text
+Fsdp1 = Callable[[cst.CSTNode], "str | None"]  # a node's FSDP1 name, if it is one
+Resolve = Callable[[cst.BaseExpression], cst.BaseExpression]  # a name to the one value the file assigns it
+
+STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
+FSDP2 = "torch.distributed.fsdp"
+RUNTIME = "fsdp_legacy.migrate.runtime"
+NOTE = "# fsdp-legacy migrate:"
+
+# Keywords FSDP2 does without, and why (the comment left where they were).
+_DROPPED = {
+    "use_orig_params": "FSDP2 always keeps the original parameters",
+    "limit_all_gathers": "FSDP2 bounds its all-gathers itself",
+    "backward_prefetch": "FSDP2 prefetches the next unit in backward (as BACKWARD_PRE); "
+    "set_modules_to_backward_prefetch() sets another order",
+    "forward_prefetch": "set_modules_to_forward_prefetch() prefetches in forward in FSDP2",
+    "device_id": "fully_shard moves the parameters to its mesh's device (the current CUDA device, else the CPU)",
+}
+
+
+@dataclass
+class Problem:
+    node: cst.CSTNode
+    what: str
+    why: str
+    fix: str
+
+
+@dataclass
+class Construction:
+    """The statements replacing one FSDP(...) assignment, the imports they need, or why it cannot be replaced."""
+
+    statements: list[cst.BaseStatement] = field(default_factory=list)
+    imports: list[tuple[str, str | None]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # comments to put above the statements
+    problems: list[Problem] = field(default_factory=list)
+    materializes: bool = False  # sharded through apply_fully_shard, which may initialize meta modules
+
+
+@dataclass
+class _Parts:
+    pre: list[str] = field(default_factory=list)  # code before the fully_shard calls
+    post: list[str] = field(default_factory=list)  # code after them
+    kwargs: dict[str, str] = field(default_factory=dict)  # fully_shard keyword -> value code
+    notes: list[str] = field(default_factory=list)
+    buffer_dtype: str | None = None  # FSDP1's MixedPrecision.buffer_dtype, cast explicitly after sharding
+    ignored: str | None = None  # ignored_modules' code
+    param_init_fn: str | None = None
+    sync: bool = False  # sync_module_states=True
+
+
+def _literal_bool(node: cst.BaseExpression) -> bool | None:
+    return {"True": True, "False": False}.get(node.value) if isinstance(node, cst.Name) else None
+
+
+def mixed_precision_policy(call: cst.Call, code: Code) -> tuple[str, str | None, list[str]]:
+    """FSDP1's `MixedPrecision(...)` as `MixedPrecisionPolicy(...)` code, its buffer_dtype (which FSDP2 lacks) and
+    the keywords that cannot be carried over."""
+    kept, buffer_dtype, refused = [], None, []
+    for arg in call.args:
+        name = arg.keyword.value if arg.keyword else None
+        if name in ("param_dtype", "reduce_dtype"):
+            kept.append(f"{name}={code(arg.value)}")
+        elif name == "buffer_dtype":
+            buffer_dtype = code(arg.value)
+        elif name in ("cast_forward_inputs", "cast_root_forward_inputs") and _literal_bool(arg.value) is not None:
+            continue  # FSDP2 casts each unit's floating inputs to param_dtype, which is where FSDP1's casts end up
+        elif name == "keep_low_precision_grads" and _literal_bool(arg.value) is False:
+            continue
+        else:
+            refused.append(code(arg))
+    return f"MixedPrecisionPolicy({', '.join(kept)})", buffer_dtype, refused
+
+
+def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolve, meta: bool) -> Construction:
+    """The FSDP2 statements for `target = FSDP(...)` (`call`); `meta`: the file names the meta device, so the module
+    may be built there and must be materialized as FSDP1 does."""
+    out = Construction()
+    if not call.args or call.args[0].keyword is not None or call.args[0].star:
+        out.problems.append(Problem(call, "FSDP(...) without the module as first argument", *_UNMAPPED))
+        return out
+    module = call.args[0].value
+    model = code(module)
+    parts = _Parts()
+    if not isinstance(module, (cst.Name, cst.Attribute)):
+        parts.pre.append(f"{target} = {model}")
+        model = target
+    policy: cst.BaseExpression | None = None
+    strategy, mesh = None, None
+    for arg in call.args[1:]:
+        if arg.keyword is None or arg.star:
+            out.problems.append(Problem(arg, "FSDP(...) with positional or ** arguments", *_UNMAPPED))
+            continue
+        name, value = arg.keyword.value, arg.value
+        if name == "auto_wrap_policy":
+            policy = value
+        elif name == "sharding_strategy":
+            strategy = fsdp1(value)
+            if strategy is None or not strategy.startswith("ShardingStrategy."):
+                out.problems.append(Problem(arg, "a sharding_strategy computed at run time", *_UNMAPPED))
+        elif name == "device_mesh":
+            mesh = code(value)
+        elif name == "mixed_precision":
+            _mixed_precision(resolve(value), value, code, fsdp1, parts, out)
+        elif name == "cpu_offload":
+            _cpu_offload(resolve(value), value, code, fsdp1, parts, out)
+        elif name == "sync_module_states" and _literal_bool(value) is not None:
+            parts.sync = bool(_literal_bool(value))
+        elif name == "ignored_modules":
+            parts.ignored = code(value)
+        elif name == "param_init_fn":
+            parts.param_init_fn = code(value)
+        elif name in _DROPPED:
+            parts.notes.append(f"{name}={code(value)} dropped: {_DROPPED[name]}")
+        else:
+            why = "FSDP2 has no such argument and this tool does not map it yet"
+            out.problems.append(Problem(arg, f"FSDP(..., {name}=...)", why, _UNMAPPED[1]))
+    if out.problems:
+        return out
+    _strategy(strategy, mesh, parts, out)
+    shard = _units(model, policy, code, fsdp1, resolve, parts, out, meta)
+    if parts.buffer_dtype is not None:
+        parts.post.append(
+            f"for buffer in {model}.buffers():  # FSDP1's buffer_dtype: FSDP2 leaves buffers as they are\n"
+            f"    if buffer.is_floating_point():\n"
+            f"        buffer.data = buffer.data.to({parts.buffer_dtype})"
+        )
+    out.notes = [f"{NOTE} FSDP(...) became fully_shard (FSDP2)"] + [f"{NOTE} {n}" for n in parts.notes]
+    text = list(parts.pre)
+    if parts.kwargs:
+        text.append("fsdp_kwargs = {" + ", ".join(f'"{k}": {v}' for k, v in parts.kwargs.items()) + "}")
+    text += shard + parts.post
+    if target != model:
+        text.append(f"{target} = {model}")
+    if any(re.search(r"\bfully_shard\(", line) for line in shard):
+        out.imports.append((FSDP2, "fully_shard"))
+    out.statements = list(cst.parse_module("\n".join(text) + "\n").body)
+    return out
+
+
+_UNMAPPED = (
+    "not mapped by fsdp-legacy migrate",
+    "write the fully_shard calls by hand (docs/migration.md has the mapping)",
+)
+
+
+def _mixed_precision(
+    value: cst.BaseExpression, written: cst.BaseExpression, code: Code, fsdp1: Fsdp1, parts: _Parts, out: Construction
+) -> None:
+    if isinstance(value, cst.Name) and value.value == "None":
+        return
+    if not (isinstance(value, cst.Call) and fsdp1(value.func) == "MixedPrecision"):
+        out.problems.append(Problem(written, "a mixed_precision this tool cannot read", *_UNMAPPED))
+        return
+    policy, buffer_dtype, refused = mixed_precision_policy(value, code)
+    if refused:
+        why = "FSDP2's MixedPrecisionPolicy has no counterpart"
+        out.problems.append(Problem(value, f"MixedPrecision({', '.join(refused)})", why, _UNMAPPED[1]))
+        return
+    # A MixedPrecision assigned to a name is rewritten where it is assigned; an inline one here.
+    parts.kwargs["mp_policy"] = code(written) if written is not value else policy
+    out.imports.append((FSDP2, "MixedPrecisionPolicy"))
+    parts.notes.append("FSDP1 ran BatchNorm modules in fp32 units of their own under mixed precision; FSDP2 does not")
+    parts.buffer_dtype = buffer_dtype
+
+
+def _cpu_offload(
+    value: cst.BaseExpression, written: cst.BaseExpression, code: Code, fsdp1: Fsdp1, parts: _Parts, out: Construction
+) -> None:
+    if isinstance(value, cst.Name) and value.value == "None":
+        return
+    if isinstance(value, cst.Call) and fsdp1(value.func) == "CPUOffload":
+        flags = [(a.keyword.value if a.keyword else "offload_params", _literal_bool(a.value)) for a in value.args]
+        if all(k == "offload_params" and v is not None for k, v in flags) and len(flags) <= 1:
+            if flags and flags[0][1]:
+                parts.kwargs["offload_policy"] = "CPUOffloadPolicy()"
+                out.imports.append((FSDP2, "CPUOffloadPolicy"))
+            return
+    out.problems.append(Problem(written, "a cpu_offload this tool cannot read", *_UNMAPPED))
+
+
+def _strategy(strategy: str | None, mesh: str | None, parts: _Parts, out: Construction) -> None:
+    kind = (strategy or "ShardingStrategy.FULL_SHARD").split(".", 1)[1]
+    if kind in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2"):
+        parts.kwargs["reshard_after_forward"] = "False"
+    if kind in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD") and mesh is None:
+        # FSDP1 shards HYBRID within a node (its local ranks) and replicates across nodes; NO_SHARD replicates on
+        # every rank: both are FSDP2's 2-D (replicate, shard) mesh.
+        shard = "1" if kind == "NO_SHARD" else 'int(os.environ["LOCAL_WORLD_SIZE"])'
+        parts.pre.append(
+            f"mesh = init_device_mesh(\n"
+            f'    "cuda" if torch.cuda.is_available() else "cpu",\n'
+            f"    (torch.distributed.get_world_size() // {shard}, {shard}),\n"
+            f'    mesh_dim_names=("replicate", "shard"),\n'
+            f")"
+        )
+        mesh = "mesh"
+        out.imports += [("torch.distributed.device_mesh", "init_device_mesh"), ("torch", None), ("os", None)]
+    if mesh is not None:
+        parts.kwargs["mesh"] = mesh
+
+
+def _units(
+    model: str,
+    policy: cst.BaseExpression | None,
+    code: Code,
+    fsdp1: Fsdp1,
+    resolve: Resolve,
+    parts: _Parts,
+    out: Construction,
+    meta: bool,
+) -> list[str]:
+    """The fully_shard calls: over the policy's classes, through apply_fully_shard, or the root alone."""
+    if isinstance(policy, cst.Name) and policy.value == "None":
+        policy = None
+    classes = None if policy is None else _policy_classes(resolve(policy), code, fsdp1)
+    if parts.param_init_fn is not None or meta or (classes is None and policy is not None):
+        return [_through_runtime(model, policy, code, parts, out, meta)]
+    if parts.sync:
+        parts.pre.append(
+            f"for tensor in [*{model}.parameters(), *{model}.buffers()]:  # FSDP1's sync_module_states\n"
+            "    torch.distributed.broadcast(tensor.detach(), src=0)"
+        )
+        out.imports.append(("torch", None))
+    skip = ""
+    if parts.ignored is not None:
+        # FSDP1 never wraps an ignored module (nor anything inside it), whatever the policy says.
+        parts.pre.append(f"fsdp_ignored = {{m for top in {parts.ignored} for m in top.modules()}}")
+        parts.kwargs["ignored_params"] = "{p for m in fsdp_ignored for p in m.parameters()}"
+        skip = " and module not in fsdp_ignored"
+    kwargs = ", **fsdp_kwargs" if parts.kwargs else ""
+    if classes is None:
+        return [f"fully_shard({model}{kwargs})"]
+    return [
+        f"for module in reversed(list({model}.modules())):  # children before parents, as FSDP1 wraps",
+        f"    if module is not {model} and isinstance(module, {classes}){skip}:",
+        f"        fully_shard(module{kwargs})",
+        f"fully_shard({model}{kwargs})",
+    ]
+
+
+def _through_runtime(
+    model: str, policy: cst.BaseExpression | None, code: Code, parts: _Parts, out: Construction, meta: bool
+) -> str:
+    """apply_fully_shard: the policy evaluated as FSDP1 evaluates it, and each unit initialized as FSDP1 does."""
+    out.imports.append((RUNTIME, "apply_fully_shard"))
+    if policy is not None:
+        parts.notes.append("the policy is evaluated as FSDP1 evaluates it, each unit sharded with fully_shard")
+    if parts.param_init_fn is not None or meta:
+        out.materializes = True
+        parts.notes.append(
+            "a unit still on the meta device is materialized just before it is sharded, as FSDP1 does "
+            "(param_init_fn on each of its modules, else to_empty + reset_parameters)"
+        )
+    if parts.sync:
+        parts.notes.append("sync_module_states: each unit is broadcast from rank 0 before it is sharded")
+    extra = [f"ignored_modules={parts.ignored}"] if parts.ignored is not None else []
+    extra += [f"param_init_fn={parts.param_init_fn}"] if parts.param_init_fn is not None else []
+    extra += ["sync_module_states=True"] if parts.sync else []
+    extra += ["**fsdp_kwargs"] if parts.kwargs else []
+    return f"apply_fully_shard({', '.join([model, 'None' if policy is None else code(policy), *extra])})"
+
+
+def _policy_classes(policy: cst.BaseExpression, code: Code, fsdp1: Fsdp1) -> str | None:
+    """The classes a ModuleWrapPolicy or a transformer_auto_wrap_policy partial wraps, as a tuple's code."""
+    if not isinstance(policy, cst.Call):
+        return None
+    classes: cst.BaseExpression | None = None
+    if fsdp1(policy.func) == "ModuleWrapPolicy" and len(policy.args) == 1:
+        classes = policy.args[0].value
+    elif code(policy.func) in ("functools.partial", "partial") and policy.args:
+        if fsdp1(policy.args[0].value) == "transformer_auto_wrap_policy":
+            found = [a.value for a in policy.args[1:] if a.keyword and a.keyword.value == "transformer_layer_cls"]
+            classes = found[0] if len(found) == 1 and len(policy.args) == 2 else None
+    if isinstance(classes, (cst.Set, cst.List, cst.Tuple)):
+        names = [code(e.value) for e in classes.elements if isinstance(e, cst.Element)]
+        return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
+    return None if classes is None else f"tuple({code(classes)})"

@@ -1,0 +1,137 @@
+"""Statements moved around a rewritten construction, in the block that holds it: FSDP2 wants some things before
+`fully_shard` and some after, where FSDP1 took them in either order.
+
+- An optimizer over `model.parameters()` built before the construction goes after it: fully_shard replaces the
+  parameters with DTensors (FSDP1 with use_orig_params kept the same objects).
+- Activation checkpointing applied to the wrapped model after the construction (`apply_activation_checkpointing`, or
+  a function of the file that calls it) goes before it: FSDP2 composes with checkpoint wrappers put in first, and
+  the units are then sharded inside their wrappers. It stays where it is when it uses a name bound in between, or when
+  the construction materializes meta modules (a wrapper would change the modules FSDP1's initialization visits)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import libcst as cst
+
+from .construction import NOTE
+
+
+@dataclass(frozen=True)
+class Placed:
+    """The statements a construction became, as the block holding them sees them."""
+
+    model: str  # the module sharded in place
+    target: str  # the name FSDP(...) was assigned to
+    count: int  # how many statements, from the first
+    materializes: bool  # apply_fully_shard may initialize meta modules
+
+
+def reorder(
+    body: list[cst.BaseStatement],
+    placed: dict[int, Placed],
+    checkpointing: dict[int, str],
+    code: Callable[[cst.CSTNode], str],
+) -> list[cst.BaseStatement]:
+    """`body` with the moves above made; `placed` and `checkpointing` (the model each activation-checkpointing
+    statement wraps) are keyed by id() of the statements in `body`."""
+    for statement in list(body):
+        info = placed.get(id(statement))
+        if info is None:
+            continue
+        _optimizer_after(body, statement, info, code)
+        _checkpointing_before(body, statement, info, checkpointing, code)
+    return body
+
+
+def _note(statement: cst.BaseStatement, text: str) -> cst.BaseStatement:
+    assert isinstance(statement, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
+    return statement.with_changes(leading_lines=[*statement.leading_lines, cst.EmptyLine(comment=cst.Comment(text))])
+
+
+def _optimizer_after(
+    body: list[cst.BaseStatement], first: cst.BaseStatement, info: Placed, code: Callable[[cst.CSTNode], str]
+) -> None:
+    start = body.index(first)
+    early = [
+        s
+        for s in body[:start]
+        if isinstance(s, cst.SimpleStatementLine)
+        and any(f"{info.model}.{m}()" in code(s) for m in ("parameters", "named_parameters"))
+    ]
+    for s in early:
+        body.remove(s)
+    end = body.index(first) + info.count
+    note = f"{NOTE} moved after fully_shard, which replaces the parameters"
+    body[end:end] = [_note(s, note) for s in early]
+
+
+def _checkpointing_before(
+    body: list[cst.BaseStatement],
+    first: cst.BaseStatement,
+    info: Placed,
+    checkpointing: dict[int, str],
+    code: Callable[[cst.CSTNode], str],
+) -> None:
+    if info.materializes or info.target != info.model:
+        return
+    start = body.index(first)
+    end = start + info.count
+    bound: set[str] = set()
+    for index in range(end, len(body)):
+        statement = body[index]
+        if checkpointing.get(id(statement)) == info.model and not (_names(statement) & bound):
+            del body[index]
+            note = f"{NOTE} activation checkpointing moved before fully_shard, the order FSDP2 composes with"
+            body.insert(start, _note(statement, note))
+            return
+        bound |= _bound(statement)
+
+
+def _names(node: cst.CSTNode) -> set[str]:
+    found: set[str] = set()
+
+    class _Names(cst.CSTVisitor):
+        def visit_Name(self, name: cst.Name) -> None:
+            found.add(name.value)
+
+    node.visit(_Names())
+    return found
+
+
+def _bound(node: cst.CSTNode) -> set[str]:
+    """Names a statement binds (assignments, loops, with-as, imports, definitions)."""
+    found: set[str] = set()
+
+    class _Bound(cst.CSTVisitor):
+        def visit_AssignTarget(self, target: cst.AssignTarget) -> None:
+            found.update(_names(target))
+
+        def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+            found.update(_names(node.target))
+
+        def visit_AugAssign(self, node: cst.AugAssign) -> None:
+            found.update(_names(node.target))
+
+        def visit_For(self, node: cst.For) -> None:
+            found.update(_names(node.target))
+
+        def visit_AsName(self, node: cst.AsName) -> None:
+            found.update(_names(node.name))
+
+        def visit_ImportAlias(self, node: cst.ImportAlias) -> None:
+            found.add(code_of(node.asname.name if node.asname else node.name).split(".")[0])
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            found.add(node.name.value)
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> None:
+            found.add(node.name.value)
+
+    node.visit(_Bound())
+    return found
+
+
+def code_of(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)

@@ -1,0 +1,216 @@
+"""The helpers migrated programs import where plain `fully_shard` code would not do what FSDP1 did.
+
+`apply_fully_shard` shards the units an FSDP1 auto-wrap policy picks (size-based, lambda and custom policies cannot
+be read from the source): the policy is evaluated by the traversal FSDP1's wrapper uses (fsdp_legacy.wrap.auto_wrap),
+each unit sharded with `fully_shard`, children before parents, then the root; a unit still on the meta device is
+materialized first, as FSDP1 materializes it (param_init_fn, or to_empty + reset_parameters), so the initial values
+are FSDP1's. `full_params` is FSDP1's `summon_full_params` for code that reads: the full parameters, in their own
+dtype (not the mixed-precision one `FSDPModule.unshard()` gives), are put on the modules for the block."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+
+from ..wrap import LegacyPolicy, _Policy, auto_wrap
+
+__all__ = ["apply_fully_shard", "full_params"]
+
+# What auto_wrap adds to every unit's kwargs for FSDP1's wrapper; fully_shard takes neither.
+_FSDP1_ONLY_KWARGS = ("auto_wrap_policy", "use_orig_params")
+
+
+def _device() -> torch.device:
+    """Where FSDP1 materializes and broadcasts (its device_id on a GPU machine, else the CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _unit_modules(unit: nn.Module, ignored: set[nn.Module]) -> list[nn.Module]:
+    """The modules a unit manages itself, breadth first from the unit (FSDP1's materialization order), stopping at
+    units already sharded and at ignored modules."""
+    found, queue, seen = [], collections.deque([unit]), {unit}
+    while queue:
+        module = queue.popleft()
+        found.append(module)
+        for child in module.children():
+            if child not in seen and not isinstance(child, FSDPModule) and child not in ignored:
+                seen.add(child)
+                queue.append(child)
+    return found
+
+
+def _own_states(modules: list[nn.Module]) -> list[torch.Tensor]:
+    return [t for m in modules for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))]
+
+
+def _materialize(modules: list[nn.Module], param_init_fn: Callable[[nn.Module], Any] | None) -> None:
+    """What FSDP1 does to a unit with meta tensors before sharding it."""
+    if not any(t.is_meta for t in _own_states(modules)):
+        return  # FSDP1 calls param_init_fn only for a unit that needs it
+    if param_init_fn is not None:
+        for module in modules:
+            param_init_fn(module)
+    else:
+        with torch.no_grad():
+            for module in modules:
+                if _own_states([module]):
+                    module.to_empty(device=_device(), recurse=False)
+                    module.reset_parameters()  # type: ignore[operator]
+    if any(t.is_meta for t in _own_states(modules)):
+        raise ValueError("param_init_fn left tensors on the meta device; FSDP1 would not have sharded them either")
+
+
+def _broadcast(modules: list[nn.Module]) -> None:
+    """FSDP1's sync_module_states for one unit: rank 0's values of what the unit manages, before it is sharded."""
+    with torch.no_grad():
+        for tensor in _own_states(modules):
+            if isinstance(tensor, DTensor):
+                continue
+            staged = tensor.detach().to(_device())
+            dist.broadcast(staged, src=0)
+            tensor.detach().copy_(staged)
+
+
+def _shard_in_place(
+    param_init_fn: Callable[[nn.Module], Any] | None, sync_module_states: bool, ignored: set[nn.Module]
+) -> type:
+    """The wrapper class handed to auto_wrap: FSDP2 shards a module in place, so "wrapping" returns the same module,
+    now an FSDPModule, after FSDP1's per-unit initialization."""
+
+    class _ShardInPlace:
+        def __new__(cls, module: nn.Module, **kwargs: Any) -> nn.Module:  # type: ignore[misc]
+            modules = _unit_modules(module, ignored)
+            _materialize(modules, param_init_fn)
+            if sync_module_states:
+                _broadcast(modules)
+            fully_shard(module, **{k: v for k, v in kwargs.items() if k not in _FSDP1_ONLY_KWARGS})
+            return module
+
+    return _ShardInPlace
+
+
+def apply_fully_shard(
+    model: nn.Module,
+    auto_wrap_policy: _Policy | LegacyPolicy | None,
+    ignored_modules: Iterable[nn.Module] = (),
+    param_init_fn: Callable[[nn.Module], Any] | None = None,
+    sync_module_states: bool = False,
+    **fully_shard_kwargs: Any,
+) -> nn.Module:
+    """Shard the units `auto_wrap_policy` picks in `model` (as FSDP1 picks them), then `model` itself, each with
+    `fully_shard(unit, **fully_shard_kwargs)`; a CustomPolicy's per-unit dict updates the kwargs of its unit and must
+    use fully_shard's names. Each unit is first materialized from the meta device and synced from rank 0 as FSDP1
+    does with `param_init_fn` and `sync_module_states`. Returns `model`."""
+    ignored = {m for top in ignored_modules for m in top.modules()}
+    ignored_params = {p for m in ignored for p in m.parameters()}
+    kwargs = dict(fully_shard_kwargs)
+    if ignored_params:
+        kwargs["ignored_params"] = ignored_params | set(kwargs.get("ignored_params") or ())
+    shard = _shard_in_place(param_init_fn, sync_module_states, ignored)
+    if auto_wrap_policy is not None:
+        with warnings.catch_warnings():
+            # FSDP1's warning about a unit mixing frozen and trainable parameters in one flat parameter: FSDP2 keeps
+            # each parameter apart, so it does not apply.
+            warnings.filterwarnings("ignore", message=".*has both parameters with requires_grad")
+            # use_orig_params=True: the flat-parameter uniformity check FSDP2 does not need is then only a warning.
+            auto_wrap(model, auto_wrap_policy, shard, ignored, ignored_params, {"use_orig_params": True, **kwargs})
+    shard(model, **kwargs)
+    return model
+
+
+# -- summon_full_params, for reading --------------------------------------------------------------------------------
+
+
+def _sharded_slots(module: nn.Module, recurse: bool) -> list[tuple[nn.Module, str, DTensor]]:
+    """(owner, name, parameter) for every sharded parameter FSDP1's summon would unshard: the whole tree, or with
+    recurse=False the module's own unit (not the units below it)."""
+    modules = module.modules() if recurse else _unit_modules(module, set())
+    return [
+        (owner, name, param)
+        for owner in modules
+        for name, param in owner.named_parameters(recurse=False)
+        if isinstance(param, DTensor)
+    ]
+
+
+def _gather(param: DTensor) -> torch.Tensor:
+    """The full value of a sharded parameter; one CPU-offloaded is gathered on its mesh's device."""
+    if param.device.type != param.device_mesh.device_type:
+        param = param.to(param.device_mesh.device_type)  # type: ignore[assignment]
+    full = param.full_tensor()
+    # The gather may still be in flight (an AsyncCollectiveTensor): wait here, so that a rank that drops the result
+    # (rank0_only) does not leave collectives pending.
+    wait = getattr(full, "wait", None)
+    return wait() if callable(wait) else full
+
+
+def _unchanged(full: torch.Tensor, sharded: DTensor) -> bool:
+    """Whether this rank's part of `full`, cut as `sharded` is cut (no communication), still equals its shard."""
+    if full.shape != sharded.shape:
+        return False
+    local = sharded.to_local()
+    mesh = sharded.device_mesh
+    whole = DTensor.from_local(full.detach().to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return torch.equal(whole.redistribute(mesh, sharded.placements).to_local().to(local.device), local)
+
+
+@contextlib.contextmanager
+def full_params(
+    module: nn.Module,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+) -> Iterator[None]:
+    """FSDP1's `summon_full_params` on an FSDP2 model, for blocks that read: inside it the modules hold their full
+    parameters (plain tensors, their original dtype, on the CPU with offload_to_cpu; on rank 0 only with
+    rank0_only), and on leaving the sharded ones come back. FSDP2 cannot write the full values back, so with
+    writeback (FSDP1's default) a parameter changed inside the block is an error on leaving, not a lost update;
+    writeback=False discards changes, as FSDP1 does."""
+    if writeback and rank0_only:
+        raise NotImplementedError("writeback=True and rank0_only=True is not supported (nor by FSDP1)")
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()  # a unit left unsharded after forward holds plain, possibly low-precision, tensors
+    slots = _sharded_slots(module, recurse)
+    gathered: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for _, _, param in slots:  # every rank gathers, in the same order
+            if id(param) not in gathered:
+                full = _gather(param)
+                gathered[id(param)] = nn.Parameter(full.cpu() if offload_to_cpu else full, param.requires_grad)
+    if rank0_only and dist.get_rank() != 0:
+        gathered.clear()
+    swapped = [(owner, name, param, gathered[id(param)]) for owner, name, param in slots if gathered]
+    for owner, name, _, full in swapped:
+        owner.register_parameter(name, full)
+    try:
+        yield
+    finally:
+        left = [owner._parameters[name] for owner, name, _, _ in swapped]
+        for owner, name, param, _ in swapped:
+            owner.register_parameter(name, param)  # type: ignore[arg-type]  # FSDP2's sharded parameter
+    if writeback:  # reached only when the block ended normally
+        changed = [
+            f"{type(owner).__name__}.{name}"
+            for (owner, name, param, full), now in zip(swapped, left, strict=True)
+            if now is not full or not _unchanged(full, param)
+        ]
+        anywhere = torch.tensor([len(changed)], device=_device())
+        dist.all_reduce(anywhere)  # a write seen on one rank's part fails every rank alike
+        if anywhere.item():
+            raise RuntimeError(
+                f"full_params(): parameters were changed inside the block ({', '.join(changed) or 'on another rank'}); "
+                "FSDP2 cannot write full parameters back, as FSDP1's summon_full_params did: write through the local "
+                "shards (`p.to_local()`) or load a full state dict with set_model_state_dict"
+            )
