@@ -93,7 +93,8 @@ class Runtime:
             for handle in unit._handles:
                 handle.wait_unshard()
                 handle.use_unsharded_views()
-            self._register_frozen_reshard(unit, args, kwargs)
+            if not rerun_in_backward:  # (the original forward's hook covers an activation-checkpointed re-run)
+                self._register_frozen_reshard(unit, args, kwargs)
         return args, kwargs
 
     def _prefetches_in_forward(self, unit: FSDPUnit, rerun_in_backward: bool) -> bool:
@@ -133,8 +134,11 @@ class Runtime:
         self.frozen_runs[unit] = runs - 1
         if runs > 1:
             return
+        # (FORWARD: a non-reentrant activation-checkpointed re-run, which stops once it has recomputed what backward
+        # needs, before the unit's post-forward)
+        in_backward = (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.FORWARD)
         for handle in unit._handles:
-            if not handle.flat_param.requires_grad and handle.training_state == HandleTrainingState.BACKWARD_PRE:
+            if not handle.flat_param.requires_grad and handle.training_state in in_backward:
                 if handle.uses_buffer:
                     self._reshard(handle)
                 handle.training_state = HandleTrainingState.BACKWARD_POST

@@ -48,10 +48,10 @@ def test_three_implementations_on_one_rank_of_eight(tmp_path):
 
 def test_layers_are_said_and_bad_input_is_refused(tmp_path):
     rows = run_bench(tmp_path, "--world-size", "4", "--layers", "1", "--impls", "ours", "--no-estimate")
-    assert [row["layers"] for row in rows] == [1] and rows[0]["of_layers"] == 2
+    assert [row["layers"] for row in rows] == [1] and rows[0]["of_layers"] == PRESETS["llama-tiny"].num_layers
     bad = subprocess.run(
-        [sys.executable, os.path.join(TOOLS, "bench_scale.py"), "--preset", "llama-tiny", "--layers", "9"],
+        [sys.executable, os.path.join(TOOLS, "bench_scale.py"), "--preset", "llama-tiny", "--layers", "99"],
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 2 and "has 1 to 2 decoder layers" in bad.stderr
+    assert bad.returncode == 2 and "has 1 to 8 decoder layers" in bad.stderr

@@ -54,7 +54,7 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama-13b": LlamaConfig(5120, 13824, 40, 40, 40, 32000, rope_theta=10000.0),
     "llama-70b": LlamaConfig(8192, 28672, 80, 64, 8, 32000, rope_theta=10000.0),
     # not a real model: the test suite's size
-    "llama-tiny": LlamaConfig(64, 176, 2, 4, 2, 512, tie_embeddings=True),
+    "llama-tiny": LlamaConfig(64, 192, 8, 4, 2, 512, tie_embeddings=True),
 }
 
 

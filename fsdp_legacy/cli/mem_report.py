@@ -20,11 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import CPUOffload, MixedPrecision, ShardingStrategy
-from ..memory import MemoryProfile, Phase, estimate_memory
+from ..memory import Category, MemoryProfile, Phase, estimate_memory
 from ..memory.table import markdown, unit_for
 from ..wrap import ModuleWrapPolicy
 from .common import EXIT_CODES, EXIT_OK, UsageError, progress
 from .gpt import CONFIGS, GPT, Block
+from .llama import PRESETS, DecoderLayer, Llama
+from .qlora import to_qlora
 
 HELP = "predict each rank's peak memory for a model, world sizes and FSDP settings, allocating nothing"
 
@@ -45,6 +47,8 @@ EXAMPLES = f"""examples:
   fsdp-legacy mem-report --model gpt-small --world-sizes 1,2,4 --sharding-strategy SHARD_GRAD_OP --details
   fsdp-legacy mem-report --module mypkg.models:build --wrap mypkg.models.Layer --batch 4x2048 --world-sizes 64
   fsdp-legacy mem-report --model gpt-1b --world-sizes 8 --offload --json      # bytes, for scripts
+  fsdp-legacy mem-report --model llama-70b --qlora --activation-checkpointing --mixed-precision bf16 \
+      --world-sizes 2 --offload                                            # QLoRA on two GPUs
 
 {EXIT_CODES}"""
 
@@ -66,7 +70,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument(
-        "--model", default="gpt-small", choices=list(CONFIGS), help="a built-in GPT (default gpt-small)"
+        "--model",
+        default="gpt-small",
+        choices=[*CONFIGS, *PRESETS],
+        help="a built-in GPT, or a Llama with a real model's shapes (default gpt-small)",
     )
     source.add_argument("--module", help="pkg.mod:factory, a function returning your plain model")
     p.add_argument("--wrap", help="dotted class of the FSDP unit, e.g. mypkg.models.Layer (default: the GPT's Block)")
@@ -76,6 +83,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--sharding-strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy])
     p.add_argument("--mixed-precision", default="fp32", choices=list(PRECISIONS))
     p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
+    p.add_argument("--use-orig-params", action="store_true", help="use_orig_params=True (implied by --qlora)")
+    p.add_argument(
+        "--activation-checkpointing", action="store_true", help="checkpoint each unit's activations (non-reentrant)"
+    )
+    p.add_argument(
+        "--qlora",
+        action="store_true",
+        help="frozen 4-bit base weights and trainable LoRA adapters on every linear layer but the output head",
+    )
+    p.add_argument("--lora-rank", type=int, default=64, help="--qlora: the adapters' rank (default 64)")
+    p.add_argument("--layers", type=int, help="a Llama preset's first N decoder layers only (default: all)")
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=2, help="training steps per estimate (2: with optimizer state)")
     p.add_argument("--details", action="store_true", help="also print each estimate's per-category tables")
@@ -120,12 +138,40 @@ def workload(args: argparse.Namespace) -> Workload:
         if not callable(build):
             raise UsageError(f"--module {args.module}: {factory or 'build'} is not a function returning a model.")
         return Workload(args.module, build, _class(args.wrap), args.vocab_size, args.batch or (1, 2048))
+    if args.layers is not None and (args.module or args.model not in PRESETS):
+        raise UsageError(f"--layers {args.layers}: only for the Llama presets ({', '.join(PRESETS)}).")
+    if args.model in PRESETS:
+        try:
+            llama = PRESETS[args.model].with_layers(args.layers)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        unit = _class(args.wrap) if args.wrap else DecoderLayer
+        return Workload(args.model, lambda: Llama(llama), unit, llama.vocab_size, args.batch or (1, 2048))
     config, batch = CONFIGS[args.model]
     batch = args.batch or batch
     if batch[1] > config.block_size:
         raise UsageError(f"--batch {batch[0]}x{batch[1]}: {args.model} takes sequences of at most {config.block_size}.")
     unit = _class(args.wrap) if args.wrap else Block
     return Workload(args.model, lambda: GPT(config), unit, config.vocab_size, batch)
+
+
+def with_training_setup(args: argparse.Namespace, work: Workload) -> Workload:
+    """`work` with QLoRA and activation checkpointing applied to its model as it is built."""
+    if not (args.qlora or args.activation_checkpointing):
+        return work
+    plain = work.build
+
+    def build() -> nn.Module:
+        model = plain()
+        if args.qlora:
+            to_qlora(model, rank=args.lora_rank)
+        if args.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, work.unit))
+        return model
+
+    return Workload(work.name, build, work.unit, work.vocab_size, work.batch)
 
 
 def _resolve(module: str, name: str, what: str) -> Any:
@@ -173,6 +219,8 @@ def fsdp_kwargs(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
     if args.offload:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+    if args.use_orig_params or args.qlora:  # (QLoRA: frozen and trainable parameters of one dtype in one unit)
+        kwargs["use_orig_params"] = True
     return kwargs
 
 
@@ -221,6 +269,32 @@ def report(profiles: dict[int, MemoryProfile], seconds: dict[int, float]) -> str
     return f"Predicted peak per rank ({unit}; 'other' includes construction)\n\n" + markdown(headers, rows)
 
 
+# What CPUOffload(offload_params=True) keeps in CPU memory: the parameter shards, their gradients, the optimizer state.
+OFFLOADED = (Category.SHARDED_PARAM, Category.SHARDED_GRAD, Category.OPTIMIZER_STATE)
+
+
+def offload_split(profile: MemoryProfile) -> tuple[int, int]:
+    """(device peak, CPU bytes) with the parameters offloaded: at each phase's peak, the offloaded categories are on
+    the CPU and the rest on the device (the estimate runs on one device; a CPU-side shard's transient copy to the
+    device before its all-gather is not counted)."""
+    device, host = 0, 0
+    for phase in profile.peaks:
+        split = profile.split(phase)
+        offloaded = sum(split.get(category, 0) for category in OFFLOADED)
+        device, host = max(device, profile.peak(phase) - offloaded), max(host, offloaded)
+    return device, host
+
+
+def offload_report(profiles: dict[int, MemoryProfile]) -> str:
+    unit, div = unit_for(max(p.peak() for p in profiles.values()))
+    rows = []
+    for ws, profile in profiles.items():
+        device, host = offload_split(profile)
+        rows.append([ws, f"{device / div:,.2f}", f"{host / div:,.2f}"])
+    headers = ["world size", "device peak", "CPU memory (offloaded shards, gradients, optimizer state)"]
+    return f"With CPU offload, per rank ({unit})\n\n" + markdown(headers, rows)
+
+
 def plot(profiles: dict[int, MemoryProfile], path: Path, title: str) -> None:
     import matplotlib
 
@@ -253,11 +327,28 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--plot needs matplotlib: pip install matplotlib (or 'fsdp_legacy[plot]').") from None
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: estimate at least one step (2 include the optimizer state).")
-    work = workload(args)
+    if args.lora_rank < 1:
+        raise UsageError(f"--lora-rank {args.lora_rank}: the adapters need a rank of at least 1.")
+    work = with_training_setup(args, workload(args))
     plan = wrap_plan(work)
-    setup = (
-        f"{args.sharding_strategy}, {args.mixed_precision}{', CPU offload' if args.offload else ''}, "
-        f"{args.optimizer}, batch {work.batch[0]}x{work.batch[1]}"
+    extras = [
+        name
+        for name, on in (
+            ("CPU offload", args.offload),
+            (f"QLoRA (rank {args.lora_rank})", args.qlora),
+            ("activation checkpointing", args.activation_checkpointing),
+            ("use_orig_params", args.use_orig_params or args.qlora),
+        )
+        if on
+    ]
+    setup = ", ".join(
+        [
+            args.sharding_strategy,
+            args.mixed_precision,
+            *extras,
+            args.optimizer,
+            f"batch {work.batch[0]}x{work.batch[1]}",
+        ]
     )
     profiles: dict[int, MemoryProfile] = {}
     seconds: dict[int, float] = {}
@@ -278,6 +369,8 @@ def run(args: argparse.Namespace) -> int:
         for ws, profile in profiles.items():
             print(f"world size {ws}\n\n{profile.table()}\n")
     print(report(profiles, seconds))
+    if args.offload:
+        print("\n" + offload_report(profiles))
     if args.plot:
         plot(profiles, Path(args.plot), f"{work.name}: {setup}")
         print(f"\nwrote {args.plot}")
@@ -294,6 +387,10 @@ def _as_json(
     return {
         "model": work.name,
         "setup": {
+            "qlora": args.qlora,
+            "lora_rank": args.lora_rank if args.qlora else None,
+            "activation_checkpointing": args.activation_checkpointing,
+            "use_orig_params": args.use_orig_params or args.qlora,
             "sharding_strategy": args.sharding_strategy,
             "mixed_precision": args.mixed_precision,
             "offload": args.offload,
@@ -306,6 +403,11 @@ def _as_json(
             {
                 "world_size": ws,
                 "peak_bytes": {**{ph.value: profile.peak(ph) for ph in PHASES}, "peak": profile.peak()},
+                **(
+                    dict(zip(("offload_device_peak_bytes", "offload_cpu_bytes"), offload_split(profile), strict=True))
+                    if args.offload
+                    else {}
+                ),
                 "seconds": round(seconds[ws], 3),
             }
             for ws, profile in profiles.items()
