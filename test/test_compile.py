@@ -271,6 +271,7 @@ CASES = [
 ]
 
 
+@pytest.mark.heavy  # the compile matrix, 12 inductor builds: CI runs it after the README's tests (pytest -m heavy)
 @pytest.mark.parametrize("case,world_size", CASES, ids=[f"{c.name()}_w{w}" for c, w in CASES])
 def test_compiled_model_matches_torch_fsdp1(case: Case, world_size: int) -> None:
     run_on_ranks(_parity_with_torch, world_size, case, timeout=600)

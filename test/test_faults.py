@@ -247,6 +247,7 @@ def _killed_during_save(directory: str, victim: int, killer: int) -> None:
         save_full_model(model, directory, max_shard_size="3KB")
 
 
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
 @pytest.mark.parametrize("world_size,victim,killer", [(2, 0, 1), (4, 2, 0)], ids=["w2_rank0", "w4_rank2"])
 def test_rank_killed_during_save(tmp_path, monkeypatch, world_size: int, victim: int, killer: int) -> None:
     """The survivors raise the same error at once (a closed connection, not a timeout), the previous checkpoint stays;

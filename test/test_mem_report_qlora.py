@@ -37,7 +37,7 @@ def test_qlora_prediction_matches_a_real_run(capsys) -> None:
     for rank, profile in enumerate(run_on_ranks(_measure, 2)):
         for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
             real, guess = profile.peak(phase), reported["peak_bytes"][phase.value]
-            assert abs(guess - real) <= 0.05 * real, f"{phase} rank {rank}: predicted {guess}, measured {real}"
+            assert abs(guess - real) <= 0.10 * real, f"{phase} rank {rank}: predicted {guess}, measured {real}"
 
 
 def test_offload_moves_the_shards_gradients_and_optimizer_state_to_the_host(capsys) -> None:

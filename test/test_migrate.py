@@ -546,6 +546,7 @@ def test_readme_style_program_trains_the_same(tmp_path: Path) -> None:
     _compare("readme_style", tmp_path)
 
 
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
 def test_accumulate_clip_sharded_resumes_from_fsdp1_checkpoint(tmp_path: Path) -> None:
     fsdp1, fsdp2 = _migrate_copy("accumulate_clip_sharded", tmp_path)
     checkpoint = tmp_path / "ckpt"
@@ -556,6 +557,7 @@ def test_accumulate_clip_sharded_resumes_from_fsdp1_checkpoint(tmp_path: Path) -
     _assert_close(after["loss"], before["loss"][3:])
 
 
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
 def test_tutorial_style_program_trains_the_same_and_resumes_from_fsdp1_full_checkpoint(tmp_path: Path) -> None:
     """Size-based policy, Adadelta + StepLR, a FULL checkpoint (rank0_only, offload_to_cpu) torch.save'd by rank 0,
     and the parameters read under summon_full_params (their norm is printed and compared)."""
@@ -572,6 +574,7 @@ def test_tutorial_style_program_trains_the_same_and_resumes_from_fsdp1_full_chec
     _assert_close(after["norm"], before["norm"])
 
 
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
 def test_t5_style_program_in_bf16_with_activation_checkpointing(tmp_path: Path) -> None:
     """transformer_auto_wrap_policy, bf16 MixedPrecision with a buffer dtype, activation checkpointing applied after
     wrapping (moved before fully_shard), and summon_full_params that must show fp32 parameters."""
@@ -580,6 +583,7 @@ def test_t5_style_program_in_bf16_with_activation_checkpointing(tmp_path: Path) 
     assert source.index("apply_fsdp_checkpointing(model)\n") < source.index("fully_shard(model")
 
 
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
 def test_meta_init_program_materializes_as_fsdp1(tmp_path: Path) -> None:
     """A model built on the meta device, param_init_fn and sync_module_states: the same initial values unit by unit
     (a different initialization could not give the same losses)."""

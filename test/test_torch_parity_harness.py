@@ -120,6 +120,7 @@ def _run_torch_parity(model_name: str) -> int:
         fsdp_legacy.uninstall()
 
 
+@pytest.mark.heavy  # torch's own parity check on its models: CI runs it after the README's tests (pytest -m heavy)
 @pytest.mark.parametrize("model_name", MODELS)
 def test_torchs_fsdp_parity_check_passes_on_fsdp_legacy(model_name: str) -> None:
     ran = run_on_ranks(_run_torch_parity, 2, model_name)

@@ -42,6 +42,7 @@ def _run(tmp_path: Path, switched: bool) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
 @pytest.mark.parametrize("switched", [False, True], ids=["own_names", "FSDP_LEGACY=1"])
 def test_fsdp_legacy_works_on_a_torch_without_fsdp1(tmp_path: Path, switched: bool) -> None:
     found = _run(tmp_path, switched)

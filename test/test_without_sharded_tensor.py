@@ -42,6 +42,7 @@ def _run(tmp_path: Path, world_size: int, use_orig_params: bool) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "uop"])
 def test_sharded_state_dicts_fall_back_to_dtensors_without_sharded_tensor(

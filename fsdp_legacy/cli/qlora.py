@@ -85,12 +85,20 @@ class QLoRALinear(nn.Module):
         return base + adapter.to(x.dtype)
 
 
-def to_qlora(model: nn.Module, rank: int = 64, group_size: int = 64, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
-    """Every nn.Linear of `model` (but those named in `skip`) replaced by a QLoRALinear of its shape (frozen 4-bit
-    base, bf16 scales, trainable rank-`rank` adapters in fp32), the rest of the model frozen: QLoRA's recipe (the
-    output head stays in its dtype, frozen). Returns `model`."""
+def to_qlora(
+    model: nn.Module,
+    rank: int = 64,
+    group_size: int = 64,
+    skip: tuple[str, ...] = ("lm_head",),
+    frozen_dtype: torch.dtype = torch.bfloat16,
+) -> nn.Module:
+    """QLoRA's recipe on `model`: every nn.Linear (but those named in `skip`: the output head) replaced by a
+    QLoRALinear of its shape (frozen 4-bit base, bf16 scales, trainable rank-`rank` adapters in fp32, as PEFT keeps
+    them), and everything else frozen in `frozen_dtype` (a model loaded in bf16). Returns `model`."""
     for param in model.parameters():
         param.requires_grad_(False)
+        if param.is_floating_point():
+            param.data = param.data.to(frozen_dtype)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child_name not in skip:
