@@ -14,6 +14,7 @@ so a run that truly never stepped saves and loads as with torch's. `fsdp_legacy.
 checkpoint itself and marks the targets it found complete (a checkpoint saved before the first step) as loaded.
 """
 
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -98,8 +99,13 @@ def _problem(optim: torch.optim.Optimizer, osd: Any) -> str | None:
 def check_load_target(
     model: nn.Module, optim: torch.optim.Optimizer, osd: Any, group: dist.ProcessGroup | None
 ) -> None:
-    """Raise on every rank if any rank passes a load target that lost the checkpoint's state. The ranks agree over
-    `group`, else the model's root unit's group (every rank that holds the model calls this)."""
+    """Warn on every rank if any rank passes a load target that lost the checkpoint's state. The ranks agree over
+    `group`, else the model's root unit's group (every rank that holds the model calls this).
+
+    A warning, not an error: torch's FSDP1 runs this flow, and frameworks resume through it (transformers' Trainer,
+    through Accelerate, with SHARDED_STATE_DICT), so refusing it would stop their users' resumes; what was lost
+    cannot be recovered here (the checkpoint is not known). fsdp_legacy.dcp_checkpoint.load, which reads the
+    checkpoint, refuses such a load."""
     problem = _problem(optim, osd)
     if group is None:
         group = next((m.process_group for m in model.modules() if isinstance(m, FSDPUnit)), None)
@@ -110,4 +116,4 @@ def check_load_target(
         if problem and rank != dist.get_rank(group):
             problem = f"{problem} (on rank {rank})"
     if problem:
-        raise RuntimeError(problem)
+        warnings.warn(problem, UserWarning, stacklevel=3)
