@@ -102,10 +102,16 @@ def _strip(name: str) -> str:
     return name
 
 
-def build_on_meta(cfg: RigConfig) -> torch.nn.Module:
+def rig_device(cfg: RigConfig) -> torch.device:
+    return torch.device(cfg.device, 0) if cfg.device == "cuda" else torch.device("cpu")
+
+
+def build_model(cfg: RigConfig, device: torch.device | str = "meta") -> torch.nn.Module:
+    """The preset's model on `device` (meta: materialised unit by unit when wrapped), activation checkpointing
+    applied if asked."""
     from fsdp_legacy.cli.llama import PRESETS, DecoderLayer, Llama
 
-    with torch.device("meta"):
+    with torch.device(device):
         model = Llama(PRESETS[cfg.preset].with_layers(cfg.layers))
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -219,12 +225,12 @@ def run(cfg: RigConfig) -> RigResult:
     from fsdp_legacy.memory import MemoryTracker
     from fsdp_legacy.memory.fake_world import fake_process_group
 
-    device = torch.device(cfg.device, 0) if cfg.device == "cuda" else torch.device("cpu")
+    device = rig_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ids = batch(cfg, device)
     with fake_process_group(cfg.world_size, cfg.rank):
-        model = build_on_meta(cfg)
+        model = build_model(cfg)
         tracker = MemoryTracker() if device.type == "cpu" else None  # CUDA: the allocator's own statistics
         if tracker is not None:
             tracker.__enter__()
@@ -264,39 +270,24 @@ def run(cfg: RigConfig) -> RigResult:
 
 def estimate(cfg: RigConfig) -> int:
     """Our estimator's prediction of the same configuration: fake tensors, the same FSDP options, AdamW, 2 steps."""
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
-
-    from fsdp_legacy.cli.llama import PRESETS, DecoderLayer, Llama, next_token_loss
+    from fsdp_legacy.cli.llama import PRESETS, next_token_loss
     from fsdp_legacy.memory import estimate_memory
-    from fsdp_legacy.wrap import ModuleWrapPolicy
 
-    device = torch.device(cfg.device, 0) if cfg.device == "cuda" else torch.device("cpu")
-
-    def build() -> torch.nn.Module:
-        with torch.device(device):
-            model = Llama(PRESETS[cfg.preset].with_layers(cfg.layers))
-        if cfg.activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, DecoderLayer))
-        return model
+    device = rig_device(cfg)
 
     def loss_fn(model: torch.nn.Module, step: int) -> torch.Tensor:
         ids = torch.randint(0, PRESETS[cfg.preset].vocab_size, cfg.batch, device=device)
         return next_token_loss(model(ids), ids)
 
-    kwargs: dict[str, Any] = {
-        "auto_wrap_policy": ModuleWrapPolicy({DecoderLayer}),
-        "sharding_strategy": ShardingStrategy[cfg.sharding],
-        "use_orig_params": cfg.use_orig_params,
-        "device_id": device,
-    }
-    if cfg.bf16:
-        kwargs["mixed_precision"] = MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
-    if cfg.cpu_offload:
-        kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+    kwargs = fsdp1_kwargs(cfg, device)  # (HYBRID_SHARD is not estimated: no mesh is made here)
     profile = estimate_memory(
-        build, loss_fn, cfg.world_size, kwargs, lambda p: torch.optim.AdamW(p, lr=1e-4), steps=2, rank=cfg.rank
+        partial(build_model, cfg, device),
+        loss_fn,
+        cfg.world_size,
+        kwargs,
+        lambda p: torch.optim.AdamW(p, lr=1e-4),
+        steps=2,
+        rank=cfg.rank,
     )
     return profile.peak()
 
