@@ -57,7 +57,7 @@ def soak(tmp_path, kills: int, *options: str) -> tuple[list[dict], list[dict]]:
     for start in starts:
         assert start["found"] is None or start["found"] not in {s["path"] for s in start["skipped"]}
         assert start["digests"] == expected[(start["world"], start["step"])], f"resumed {start['found']}: not intact"
-    final = [torch.load(tmp_path / run / "final.pt", weights_only=False) for run in ("reference", "soaked")]
+    final = [torch.load(tmp_path / run / "final.pt", weights_only=True) for run in ("reference", "soaked")]
     assert equal(final[0], final[1]), "the final parameters and optimizer state, bit for bit"
     assert final[0]["optim"]["state"], "with the optimizer state"
     return kills_done, starts

@@ -165,7 +165,7 @@ def final_differences(reference: Outcome, soaked: Outcome) -> list[str]:
     paths = [os.path.join(o.folder, FINAL) for o in (reference, soaked)]
     if not all(os.path.exists(p) for p in paths):
         return [f"missing {p}" for p in paths if not os.path.exists(p)]
-    a, b = (torch.load(p, weights_only=False) for p in paths)
+    a, b = (torch.load(p, weights_only=True) for p in paths)
     return differences(a, b)
 
 

@@ -40,6 +40,7 @@ from fsdp_legacy.checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
     latest,
+    load_rank_state,
     save_full_model,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -312,7 +313,7 @@ def resume(run: Run) -> tuple[int, dict[str, Any]]:
         return 0, {"found": None, "skipped": skipped}
     fmt = os.path.basename(found.path).split(".", 1)[1]
     if fmt == "rank-files":
-        load_local(run, torch.load(os.path.join(found.path, f"rank{run.rank}.pt"), weights_only=False))
+        load_local(run, load_rank_state(os.path.join(found.path, f"rank{run.rank}.pt")))
     elif fmt == "dcp-local":
         get_optimizer_state_dict(run.model, run.optim)  # the optimizer's state must exist to be a load target
         state = local_state(run)

@@ -78,13 +78,14 @@ class RestrictedUnpickler(pickle.Unpickler):
 @dataclass(frozen=True)
 class LocalShards:
     """What one rank's file holds of a ShardedTensor or a DTensor: its local pieces (global offsets, tensor), the
-    global shape and dtype, and the saving rank (global) and world size."""
+    global shape and dtype, the saving rank (global) and world size, and which of the two it was."""
 
     pieces: tuple[tuple[tuple[int, ...], torch.Tensor], ...]
     shape: torch.Size
     dtype: torch.dtype
     rank: int
     world_size: int
+    source: str = "ShardedTensor"
 
 
 class _Inert:
@@ -223,7 +224,7 @@ def _rebuild_dtensor(args: Any, state: Any) -> LocalShards:
             "(uneven or strided sharding the converter does not read)"
         )
     pieces = ((tuple(offsets), local.detach()),) if local.numel() else ()
-    return LocalShards(pieces, torch.Size(shape), dtype, rank, math.prod(sizes))
+    return LocalShards(pieces, torch.Size(shape), dtype, rank, math.prod(sizes), source="DTensor")
 
 
 def _mesh_place(mesh: _Inert) -> tuple[list[int], list[int], int]:
