@@ -35,7 +35,7 @@ from fsdp_legacy.checkpoint import load_full_model, save_full_model
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint
 from fsdp_legacy.convert import atomic as atomic_module
 from fsdp_legacy.handle import FlatParamHandle
-from fsdp_legacy.state import hf_checkpoint
+from fsdp_legacy.state import hf_checkpoint, peers
 from fsdp_utils import Config, build_ours, full_params
 from harness import RankError, run_on_ranks
 from test_checkpoint_safety import _save_rank_files
@@ -237,13 +237,13 @@ def _killed_during_save(directory: str, victim: int, killer: int) -> None:
 
             patch.setattr(hf_checkpoint, "_write_piece", killing_write)
         elif dist.get_rank() == killer:  # before this rank's first shard reaches rank 0
-            send = hf_checkpoint._Peers.send
+            send = peers.Peers.send
 
             def killing_send(self, tensor: torch.Tensor) -> None:
                 kill()
                 send(self, tensor)
 
-            patch.setattr(hf_checkpoint._Peers, "send", killing_send)
+            patch.setattr(peers.Peers, "send", killing_send)
         save_full_model(model, directory, max_shard_size="3KB")
 
 

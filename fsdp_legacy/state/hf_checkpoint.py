@@ -13,15 +13,13 @@ shard holds (a range of a flattened tensor is one run of bytes in a safetensors 
 Neither needs the safetensors package: the format is a length, a JSON header and the raw bytes.
 
 Failures (docs/failures.md): every rank talks to rank 0 only, and the ranks agree on the outcome at fixed points
-(`_Peers.agree`), so a failure anywhere, a rank's death included, raises the same error on every rank and leaves no
-send or receive unmatched: a save agrees after preparing the destination, and again after the data before rank 0
-renames the new directory into place; a load agrees after every rank has checked the files (before the model is
-touched), and again after reading.
+(peers.py), so a failure anywhere, a rank's death included, raises the same error on every rank and leaves no send
+or receive unmatched: a save agrees after preparing the destination, and again after the data before rank 0 renames
+the new directory into place; a load agrees after every rank has checked the files (before the model is touched),
+and again after reading.
 """
 
-import builtins
 import contextlib
-import json
 import math
 import os
 import time
@@ -34,9 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ..convert import errors
 from ..convert.atomic import atomic_directory
-from ..flat_param import FlatParameter, ParamInfo
+from ..flat_param import FlatParameter, FlatParamLayout, ParamInfo
 from ..handle import FlatParamHandle
 from ..naming import join_fqn
 from ..safetensors_format import (
@@ -56,6 +53,7 @@ from ..safetensors_format import (
     write_index,
 )
 from ..unit import FSDPUnit
+from .peers import Peers
 
 __all__ = ["load_full_model", "save_full_model"]
 
@@ -76,6 +74,18 @@ class _Entry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+@dataclass
+class ShardCopy:
+    """What the stream reads of a handle (its layout, shard group and local shard), the shard copied off the training
+    tensors, so that a background save writes the values of the moment it was asked for."""
+
+    sharded: bool
+    group: dist.ProcessGroup
+    layout: FlatParamLayout
+    rank: int
+    local_shard: torch.Tensor
 
 
 def _collect(model: nn.Module) -> tuple[list[_Entry], list[FlatParamHandle]]:
@@ -125,155 +135,9 @@ def _collect(model: nn.Module) -> tuple[list[_Entry], list[FlatParamHandle]]:
     return entries, handles
 
 
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Agreeing on the outcome
-
-
-class _Peers:
-    """The ranks of one save or load, kept in step. Every rank talks to rank 0 only (shards and outcomes go through
-    it), so a rank that dies shows up at rank 0 as a closed connection and rank 0's death at every other rank, never
-    as a wait on a rank that cannot answer; rank 0 leaves a dead rank out from then on. A rank's own failure does not
-    stop it: it keeps every send and receive of the protocol (sending zeros, writing nothing) until the next
-    agreement, where every rank raises the same error."""
-
-    def __init__(self, frame: Callable[[str], str]) -> None:
-        self.frame = frame  # a cause -> the message every rank raises
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self.device = _comm_device()
-        self.failure: BaseException | None = None  # this rank's first failure since the last agreement
-        self.gone: dict[int, BaseException] = {}  # on rank 0: the ranks found dead, and the error that told
-
-    def note(self, error: BaseException) -> None:
-        if self.failure is None:
-            self.failure = error
-
-    def send(self, tensor: torch.Tensor) -> None:
-        """To rank 0; raises the agreed error at once if rank 0 is gone (there is no one left to agree with)."""
-        try:
-            dist.send(tensor, 0)
-        except RuntimeError as error:
-            raise self._lost_rank_zero() from error
-
-    def receive(self, tensor: torch.Tensor, peer: int) -> bool:
-        """On rank 0, from `peer`: False (and `peer` is gone) when it died."""
-        try:
-            dist.recv(tensor, peer)
-        except RuntimeError as error:
-            self.gone[peer] = error
-            return False
-        return True
-
-    def agree(self, commit: Callable[[], None] | None = None) -> None:
-        """Every rank's outcome so far meets at rank 0, which sends back the verdict: the first failure by rank (rank
-        0's, then the others', then a dead rank), or else the outcome of `commit`, which rank 0 runs first. A failure
-        raises the same error (type and message) on every rank."""
-        failure, self.failure = self.failure, None
-        if self.rank != 0:
-            self._send_text(_encode(failure, self.rank), 0)
-            verdict = self._receive_text(0)
-            if verdict:
-                raise _decode(verdict, self.frame) from failure
-            return
-        verdicts = [_encode(failure, 0)] if failure is not None else []
-        answered = []
-        for peer in range(1, self.size):
-            if peer in self.gone:
-                continue
-            text = self._text_from(peer)
-            if text is not None:
-                answered.append(peer)
-                verdicts += [text] if text else []
-        verdicts += [_encode(_Gone(f"rank {peer} stopped answering"), 0) for peer in sorted(self.gone)]
-        if not verdicts and commit is not None:
-            try:
-                commit()
-            except Exception as error:
-                failure = error
-                verdicts.append(_encode(error, 0))
-        for peer in answered:
-            with contextlib.suppress(RuntimeError):  # it died since it answered: nothing of it waits any more
-                self._send_text(verdicts[0] if verdicts else "", peer)
-        if verdicts:
-            raise _decode(verdicts[0], self.frame) from failure or next(iter(self.gone.values()), None)
-
-    def _lost_rank_zero(self) -> Exception:
-        return _decode(_encode(_Gone("rank 0 stopped answering"), 0), self.frame)
-
-    def _send_text(self, text: str, peer: int) -> None:
-        data = (
-            torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
-        )
-        try:
-            dist.send(torch.tensor([data.numel()], device=self.device), peer)
-            if data.numel():
-                dist.send(data.to(self.device), peer)
-        except RuntimeError as error:
-            if self.rank == 0:
-                raise
-            raise self._lost_rank_zero() from error
-
-    def _receive_text(self, peer: int) -> str:
-        try:
-            size = torch.zeros(1, dtype=torch.int64, device=self.device)
-            dist.recv(size, peer)
-            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-            if data.numel():
-                dist.recv(data, peer)
-        except RuntimeError as error:
-            if self.rank == 0:
-                raise
-            raise self._lost_rank_zero() from error
-        return bytes(data.cpu().numpy()).decode()
-
-    def _text_from(self, peer: int) -> str | None:
-        try:
-            return self._receive_text(peer)
-        except RuntimeError as error:
-            self.gone[peer] = error
-            return None
-
-
-class _Gone(RuntimeError):
-    """A rank that stopped answering: killed, crashed, or slower than the process group's timeout."""
-
-
-def _encode(error: BaseException | None, rank: int) -> str:
-    if error is None:
-        return ""
-    if isinstance(error, _Gone):
-        cause = f"{error} (it was killed or crashed: its connection closed, or it outran the process group's timeout)"
-        return json.dumps(["RuntimeError", None, cause])
-    cause = str(error) or type(error).__name__
-    if rank:
-        cause = f"{cause.rstrip('.')} (on rank {rank})"
-    return json.dumps([type(error).__name__, getattr(error, "errno", None), cause])
-
-
-_OURS = {cls.__name__: cls for cls in (errors.CheckpointError, errors.DestinationMissing, errors.DestinationKind)}
-
-
-def _decode(verdict: str, frame: Callable[[str], str]) -> Exception:
-    """The agreed error, rebuilt alike on every rank: its type where it is a builtin or ours, else RuntimeError."""
-    name, errno, cause = json.loads(verdict)
-    kind = _OURS.get(name) or getattr(builtins, name, None)
-    if not (isinstance(kind, type) and issubclass(kind, Exception)):
-        kind = RuntimeError
-    try:
-        error = kind(frame(cause))
-    except Exception:  # an exception class whose constructor wants other arguments
-        error = RuntimeError(frame(cause))
-    if isinstance(error, OSError) and errno is not None:
-        error.errno = errno
-    return error
-
-
-def _stream_unit(handle: FlatParamHandle, wanted: dict[ParamInfo, _Entry], sink: Callable, peers: _Peers) -> None:
+def _stream_unit(
+    handle: FlatParamHandle | ShardCopy, wanted: dict[ParamInfo, _Entry], sink: Callable, peers: Peers
+) -> None:
     """Every rank calls it for the same unit and `wanted` parameters; rank 0's `sink(entry, first element, piece)`
     receives each piece of each wanted parameter. The other ranks of rank 0's shard group send the span of their
     shard holding wanted pieces, one rank at a time, into one buffer on rank 0; a rank found dead is skipped."""
@@ -352,45 +216,107 @@ def save_full_model(
     anywhere, on any rank (a missing or unwritable destination, a full disk, a rank killed), raises the same error on
     every rank and leaves the previous directory (or none) in place.
     """
+    check_save_dtype(dtype)
+    peers = Peers(save_frame(directory))
+    sources: SaveSources | None = None
+    try:
+        sources = collect_for_save(model)
+    except Exception as error:
+        peers.note(error)
+    write_full_model(sources, directory, peers, max_shard_size, dtype, safe_serialization)
+
+
+def check_save_dtype(dtype: torch.dtype | None) -> None:
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype}: only a floating-point dtype can be saved to")
-    peers = _Peers(
-        lambda cause: (
-            f"save_full_model could not save {directory}: {cause.rstrip('.')}. Nothing was replaced: the "
-            "previous checkpoint there, if any, is intact."
-        )
+
+
+def save_frame(directory: str) -> Callable[[str], str]:
+    """The message every rank raises when a save of `directory` fails, from its cause."""
+    return lambda cause: (
+        f"save_full_model could not save {directory}: {cause.rstrip('.')}. Nothing was replaced: the previous "
+        "checkpoint there, if any, is intact."
     )
+
+
+@dataclass
+class SaveSources:
+    """Every tensor of the full state dict (entries) and where the parameters come from (the handles, or copies)."""
+
+    entries: list[_Entry]
+    handles: list[FlatParamHandle] | list[ShardCopy]
+
+    @property
+    def copied_bytes(self) -> int:
+        shards = sum(h.local_shard.nbytes for h in self.handles if isinstance(h, ShardCopy))
+        return shards + sum(e.tensor.nbytes for e in self.entries if e.tensor is not None)
+
+
+def collect_for_save(model: nn.Module) -> SaveSources:
+    entries, handles = _collect(model)
+    for handle in handles:
+        handle.writeback_orig_params()  # use_orig_params: a replaced .data counts, as before an all-gather
+    return SaveSources(entries, handles)
+
+
+def copy_sources(sources: SaveSources, into: Callable[[torch.Tensor], torch.Tensor]) -> SaveSources:
+    """The sources with every local shard and whole tensor copied by `into(tensor)` (a CPU copy); rank 0 alone
+    writes whole tensors, so the other ranks copy none."""
+    copies: list[ShardCopy] = []
+    for handle in sources.handles:
+        assert isinstance(handle, FlatParamHandle)
+        copies.append(ShardCopy(handle.sharded, handle.group, handle.layout, handle.rank, into(handle.local_shard)))
+    keep = dist.get_rank() == 0
+    entries = [
+        _Entry(e.key, e.shape, e.dtype, e.aliases, e.unit, e.info, into(e.tensor.detach()) if keep else None)
+        if e.tensor is not None
+        else e
+        for e in sources.entries
+    ]
+    return SaveSources(entries, copies)
+
+
+def write_full_model(
+    sources: SaveSources | None,
+    directory: str,
+    peers: Peers,
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    safe_serialization: bool,
+) -> None:
+    """The save itself, on every rank alike (None: this rank failed to collect, noted in `peers`)."""
     writer = peers.rank == 0
     with contextlib.ExitStack() as stack:  # rank 0: the temporary directory and its open files
         shards: list[list[_Entry]] = []
         names: list[str] = []
-        handles: list[FlatParamHandle] = []
         files: dict[str, SafetensorsWriter] = {}
         tmp, save_id, saved_at = "", new_save_id(), f"{time.time():.6f}"
 
         def out(entry: _Entry) -> torch.dtype:
             return dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
 
-        try:
-            entries, handles = _collect(model)
-            for handle in handles:
-                handle.writeback_orig_params()  # use_orig_params: a replaced .data counts, as before an all-gather
-            unstorable = [f"{e.key} ({out(e)})" for e in entries if safe_serialization and out(e) not in DTYPES]
-            if unstorable:
-                raise ValueError(f"safetensors cannot store {', '.join(unstorable)}: pass safe_serialization=False")
-            shards = _plan(entries, parse_size(max_shard_size), out)
-            names = shard_names(len(shards), SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS)
-            if writer:
-                tmp = stack.enter_context(atomic_directory(directory))
-                for shard, name in zip(shards, names, strict=True) if safe_serialization else ():
-                    tensors = [(e.key, e.shape, out(e)) for e in shard]
-                    file = SafetensorsWriter(os.path.join(tmp, name), tensors, {SAVE_ID: save_id, SAVED_AT: saved_at})
-                    stack.callback(file.close)
-                    files.update((entry.key, file) for entry in shard)
-        except Exception as error:
-            peers.note(error)
+        if sources is not None and peers.failure is None:
+            try:
+                unstorable = [
+                    f"{e.key} ({out(e)})" for e in sources.entries if safe_serialization and out(e) not in DTYPES
+                ]
+                if unstorable:
+                    raise ValueError(f"safetensors cannot store {', '.join(unstorable)}: pass safe_serialization=False")
+                shards = _plan(sources.entries, parse_size(max_shard_size), out)
+                names = shard_names(len(shards), SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS)
+                if writer:
+                    tmp = stack.enter_context(atomic_directory(directory))
+                    for shard, name in zip(shards, names, strict=True) if safe_serialization else ():
+                        tensors = [(e.key, e.shape, out(e)) for e in shard]
+                        metadata = {SAVE_ID: save_id, SAVED_AT: saved_at}
+                        file = SafetensorsWriter(os.path.join(tmp, name), tensors, metadata)
+                        stack.callback(file.close)
+                        files.update((entry.key, file) for entry in shard)
+            except Exception as error:
+                peers.note(error)
         peers.agree()  # the destination is ready on rank 0, or every rank raises
-        _write_all(tmp, shards, names, handles, out, files if safe_serialization else None, peers)
+        assert sources is not None
+        _write_all(tmp, shards, names, sources.handles, out, files if safe_serialization else None, peers)
         if writer and peers.failure is None and len(shards) > 1:
             try:
                 _write_index(tmp, shards, names, out, safe_serialization, save_id, saved_at)
@@ -403,10 +329,10 @@ def _write_all(
     tmp: str,
     shards: list[list[_Entry]],
     names: list[str],
-    handles: list[FlatParamHandle],
+    handles: list[FlatParamHandle] | list[ShardCopy],
     out: Callable[[_Entry], torch.dtype],
     files: dict[str, SafetensorsWriter] | None,
-    peers: _Peers,
+    peers: Peers,
 ) -> None:
     """Stream every tensor to rank 0, which writes it into `files` (safetensors, by key) or, when None, assembles and
     torch.saves each file. A failure on rank 0 stops the writing but not the transfers: no rank is left in a send."""
@@ -538,9 +464,7 @@ def load_full_model(model: nn.Module, directory: str, *, strict: bool = True) ->
     weight saved once loads into all its references. Returns (missing_keys, unexpected_keys), as
     nn.Module.load_state_dict does.
     """
-    peers = _Peers(
-        lambda cause: cause if directory in cause else f"load_full_model could not load {directory}: {cause}"
-    )
+    peers = Peers(lambda cause: cause if directory in cause else f"load_full_model could not load {directory}: {cause}")
     with contextlib.ExitStack() as stack:
         entries: list[_Entry] = []
         handles: list[FlatParamHandle] = []
