@@ -5,8 +5,11 @@ state/dcp_checkpoint.py; this module keeps the import path users have.
     from fsdp_legacy import dcp_checkpoint
     dcp_checkpoint.save(state, "ckpt/step100")      # every rank, as dcp.save
     dcp_checkpoint.load(state, "ckpt/step100")      # every rank, as dcp.load
+    pending = dcp_checkpoint.async_save(state, "ckpt/step100")  # in the background (state/async_save.py)
+    pending.wait()
 """
 
+from .state.async_save import AsyncSave, async_save
 from .state.dcp_checkpoint import load, save
 
-__all__ = ["load", "save"]
+__all__ = ["AsyncSave", "async_save", "load", "save"]

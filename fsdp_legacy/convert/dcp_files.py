@@ -269,10 +269,10 @@ def check_side_file(directory: str, side: SideFile, metadata: Metadata) -> None:
         )
 
 
-def written_metadata(returned: Metadata, directory: str) -> Metadata:
+def written_metadata(returned: Metadata | None, directory: str) -> Metadata:
     """The metadata of a save that dcp.save just wrote to `directory`: what it returned, or, where that lacks the
-    files and the save's identity (torch 2.11), what it wrote."""
-    if returned.storage_data is not None:
+    files and the save's identity (torch 2.11) or is missing, what it wrote."""
+    if returned is not None and returned.storage_data is not None:
         return returned
     return read_metadata(os.path.join(directory, METADATA_FILE))
 

@@ -43,13 +43,30 @@ from .partial_load import check_complete_load
 
 def save(state: dict[str, Any], checkpoint_id: str, *, process_group: dist.ProcessGroup | None = None) -> Metadata:
     """dcp.save(state, checkpoint_id=...) on every rank of `process_group`, then the side file (records, save
-    identity, CRC-32s). Returns DCP's metadata."""
+    identity, CRC-32s). Returns DCP's metadata. (async_save.py runs the same in the background.)"""
     records = records_of_tree(state)
-    rank, world_size = _rank(process_group)
-    if rank == 0:  # a side file left by an earlier save in this directory is not this save's
+    forget_side_file(checkpoint_id, process_group)
+    saved = dcp.save(state, storage_writer=FileSystemWriter(checkpoint_id), process_group=process_group)
+    return finish_save(saved, checkpoint_id, records, process_group)
+
+
+def forget_side_file(checkpoint_id: str, process_group: dist.ProcessGroup | None) -> None:
+    """A side file left by an earlier save in this directory is not this save's: it goes before any data is written,
+    so that the directory counts as unfinished until this save's own side file is in place."""
+    if _rank(process_group)[0] == 0:
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(checkpoint_id, SIDE_FILE))
-    saved = dcp.save(state, storage_writer=FileSystemWriter(checkpoint_id), process_group=process_group)
+
+
+def finish_save(
+    saved: Metadata | None,
+    checkpoint_id: str,
+    records: dict[str, list[FlatParamRecord]],
+    process_group: dist.ProcessGroup | None,
+) -> Metadata:
+    """After dcp.save: every data file stamped with the save id and summed (a share per rank), then rank 0 writes the
+    side file, which marks the save complete. The same outcome on every rank of `process_group`."""
+    rank, world_size = _rank(process_group)
     metadata = written_metadata(saved, checkpoint_id)
     save_id = save_id_of(metadata)
     names = data_files(metadata)

@@ -1,0 +1,224 @@
+"""Saves that do not stall training: what a save needs is copied off the training tensors at the call, and the files
+are written in the background while training goes on.
+
+    pending = dcp_checkpoint.async_save(state, "ckpt/step100")      # a LOCAL or SHARDED state dict, through DCP
+    pending = save_full_model_async(model, "export/step100")         # full weights, Hugging Face safetensors
+    ...                                                              # training steps
+    pending.wait()                                                   # every rank; raises the save's error
+
+The background work talks over a gloo group of its own (one per set of ranks, made on the first call), so its
+collectives and transfers never pair with training's, whatever backend training uses. One save is in flight at a
+time: a new call first waits for the previous one (and raises its error if no one has seen it), so the host memory
+held is one copy of this rank's part of the state. For DCP that copy is DCP's staging (dcp.async_save); for full
+weights it is this rank's local shards (rank 0: plus the tensors held whole), in CPU buffers kept for the next save,
+pinned when the shards live on a GPU, where the copy is queued on the current stream and the call does not wait for
+it. The files are the same as the synchronous save's, written the same way: a kill leaves the previous checkpoint.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from .dcp_checkpoint import finish_save, forget_side_file, records_of_tree
+from .hf_checkpoint import (
+    SaveSources,
+    check_save_dtype,
+    collect_for_save,
+    copy_sources,
+    save_frame,
+    write_full_model,
+)
+from .peers import Peers
+
+__all__ = ["AsyncSave", "async_save", "save_full_model_async"]
+
+
+class AsyncSave:
+    """A save running in the background. `wait()` returns its result once the files are complete (DCP's metadata for
+    a DCP save, None for full weights) or raises its error, the same on every rank; `done()` polls. `stall_s` is how
+    long the call held the caller, `host_bytes` the bytes of the copy it holds until it ends."""
+
+    def __init__(self, where: str, work: Callable[[], Any], stall_s: float, host_bytes: int) -> None:
+        self.where, self.stall_s, self.host_bytes = where, stall_s, host_bytes
+        self._future: Future = Future()
+        self._seen = False
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"fsdp_legacy save {where}")
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Any]) -> None:
+        try:
+            self._future.set_result(work())
+        except BaseException as error:  # handed to wait(), on this rank as on every other
+            self._future.set_exception(error)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the save is complete; raises TimeoutError if `timeout` seconds pass first."""
+        try:
+            result = self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._seen = True
+            raise
+        self._seen = True
+        return result
+
+
+_in_flight: list[AsyncSave] = []  # the one save not yet settled
+_side_groups: dict[tuple[int, ...], tuple[object, dist.ProcessGroup]] = {}  # ranks -> (default group, its side group)
+
+
+def _settle_previous() -> None:
+    """Wait for the save still in flight; its error is raised here unless its wait() has already raised it."""
+    while _in_flight:
+        previous = _in_flight.pop()
+        seen = previous._seen
+        try:
+            previous.wait()
+        except BaseException:
+            if not seen:
+                raise
+
+
+def side_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """The gloo group of background saves over the ranks of `process_group` (default: every rank), made once per
+    process group setup. Every rank of it must call this the same number of times (the async saves do)."""
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    default = dist.distributed_c10d._get_default_group()
+    cached = _side_groups.get(ranks)
+    if cached is None or cached[0] is not default:
+        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        assert group is not None
+        _side_groups[ranks] = (default, group)
+        return group
+    return cached[1]
+
+
+def _start(where: str, started: float, work: Callable[[], Any], host_bytes: int) -> AsyncSave:
+    pending = AsyncSave(where, work, time.perf_counter() - started, host_bytes)
+    _in_flight.append(pending)
+    return pending
+
+
+def async_save(
+    state: dict[str, Any], checkpoint_id: str, *, process_group: dist.ProcessGroup | None = None
+) -> AsyncSave:
+    """dcp_checkpoint.save in the background: DCP stages a CPU copy of `state` during the call (dcp.async_save), and
+    writes it, the save identity stamps, CRC-32s and side file afterwards, on its own group. Every rank of
+    `process_group` calls it; `wait()` returns DCP's metadata. Until the side file is written the directory counts as
+    unfinished (latest() skips it)."""
+    started = time.perf_counter()
+    _settle_previous()
+    group = side_group(process_group)
+    records = records_of_tree(state)
+    forget_side_file(checkpoint_id, group)
+    response = dcp.async_save(state, storage_writer=FileSystemWriter(checkpoint_id), process_group=group)
+    upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response  # (async staging)
+
+    def finish() -> Any:
+        return finish_save(upload.result(), checkpoint_id, records, group)
+
+    return _start(checkpoint_id, started, finish, _local_bytes(state))
+
+
+@torch.no_grad()
+def save_full_model_async(
+    model: nn.Module,
+    directory: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    safe_serialization: bool = True,
+) -> AsyncSave:
+    """save_full_model in the background: every rank copies its local shards (rank 0 also the tensors held whole)
+    during the call, then streams the copies to rank 0 over the save's own group while training goes on. The
+    directory appears, whole, when the save completes; a failure leaves the previous one."""
+    started = time.perf_counter()
+    _settle_previous()
+    check_save_dtype(dtype)
+    peers = Peers(save_frame(directory), group=side_group())
+    sources: SaveSources | None = None
+    ready: torch.cuda.Event | None = None
+    try:
+        _buffers.begin()
+        sources = copy_sources(collect_for_save(model), _buffers.copy)
+        ready = _buffers.copied()
+    except Exception as error:
+        peers.note(error)
+
+    def write() -> None:
+        if ready is not None:
+            ready.synchronize()  # the device-to-host copies queued at the call
+        write_full_model(sources, directory, peers, max_shard_size, dtype, safe_serialization)
+
+    return _start(directory, started, write, sources.copied_bytes if sources is not None else 0)
+
+
+class _CopyBuffers:
+    """CPU buffers for the copies of one save, reused by the next when the sizes match (one save is in flight at a
+    time, so a buffer is free again when the next save starts); pinned for GPU tensors."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.next = 0
+        self.on_gpu = False
+
+    def begin(self) -> None:
+        self.next, self.on_gpu = 0, False
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        pinned = tensor.device.type == "cuda"
+        index, self.next = self.next, self.next + 1
+        reusable = (
+            index < len(self.buffers)
+            and self.buffers[index].shape == tensor.shape
+            and self.buffers[index].dtype == tensor.dtype
+            and self.buffers[index].is_pinned() == pinned
+        )
+        if not reusable:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            if index < len(self.buffers):
+                self.buffers[index] = buffer
+            else:
+                self.buffers.append(buffer)
+        self.on_gpu |= pinned
+        return self.buffers[index].copy_(tensor, non_blocking=pinned)
+
+    def copied(self) -> "torch.cuda.Event | None":
+        """An event after every copy of this save (None when nothing came from a GPU); buffers past them go."""
+        del self.buffers[self.next :]
+        event = None
+        if self.on_gpu:
+            event = torch.cuda.Event()
+            event.record()
+        return event
+
+
+_buffers = _CopyBuffers()
+
+
+def _local_bytes(state: Any) -> int:
+    """The bytes of this rank's tensors in a state dict: what DCP's staging copies."""
+    if isinstance(state, dict):
+        return sum(_local_bytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_local_bytes(value) for value in state)
+    local_shards = getattr(state, "local_shards", None)
+    if callable(local_shards):  # a ShardedTensor
+        return sum(shard.tensor.nbytes for shard in local_shards())
+    to_local = getattr(state, "to_local", None)
+    if callable(to_local):  # a DTensor
+        return int(to_local().nbytes)
+    return int(state.nbytes) if isinstance(state, torch.Tensor) else 0

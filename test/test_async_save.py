@@ -1,0 +1,167 @@
+"""Saves in the background (fsdp_legacy.checkpoint.save_full_model_async, dcp_checkpoint.async_save): the files hold
+the state of the moment of the call, bit for bit what the synchronous save of that moment writes, while training
+goes on (its collectives beside the save's own group); a failure is raised by wait() on every rank and leaves the
+previous checkpoint; one save is in flight at a time.
+
+The oracles: the synchronous save of the same step (save_full_model, itself checked against torch's FSDP1
+FULL_STATE_DICT in test_hf_checkpoint.py; dcp_checkpoint.save) and the byte count of the local shards.
+"""
+
+import os
+import time
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy import StateDictType, dcp_checkpoint
+from fsdp_legacy.checkpoint import latest, save_full_model, save_full_model_async
+from fsdp_legacy.state import hf_checkpoint
+from fsdp_utils import Config, batch, build_ours, loss_of
+from harness import run_on_ranks
+
+
+def _slowly(seconds: float):
+    """_write_piece made slow, so that the training steps after the call run while the save writes."""
+    write = hf_checkpoint._write_piece
+
+    def slow(*args) -> None:
+        time.sleep(seconds)
+        write(*args)
+
+    return mock.patch.object(hf_checkpoint, "_write_piece", slow)
+
+
+def _steps(model, opt, config: Config, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        loss_of(model(batch(config, step))).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _read(directory: str) -> dict[str, torch.Tensor]:
+    return {k: v for name in sorted(os.listdir(directory)) for k, v in load_file(os.path.join(directory, name)).items()}
+
+
+def _full_async(directory: str, model_name: str) -> tuple[float, int, int]:
+    config = Config(model_name)
+    _, model = build_ours(config)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _steps(model, opt, config, 0, 2)
+    save_full_model(model, f"{directory}/sync")
+    with _slowly(0.01):
+        pending = save_full_model_async(model, f"{directory}/async")
+        assert not pending.done(), "the call returned before the files were written"
+        _steps(model, opt, config, 2, 3)  # the parameters change while the save runs
+        assert pending.wait() is None
+    save_full_model(model, f"{directory}/later")
+    shards = sum(h.local_shard.nbytes for h in model._all_handles)
+    whole = sum(b.nbytes for b in model.buffers() if not b.is_meta) if dist.get_rank() == 0 else 0
+    return pending.stall_s, pending.host_bytes, shards + whole
+
+
+@pytest.mark.parametrize("model_name", ["net", "transformer"])
+def test_full_weights_saved_in_the_background_are_the_moment_of_the_call(tmp_path, model_name: str) -> None:
+    results = run_on_ranks(_full_async, 2, str(tmp_path), model_name)
+    sync, done, later = (_read(str(tmp_path / name)) for name in ("sync", "async", "later"))
+    assert list(done) == list(sync)
+    for key in sync:
+        assert torch.equal(done[key], sync[key]), key
+    assert any(not torch.equal(later[k], sync[k]) for k in sync), "training went on during the save"
+    for _, host_bytes, expected in results:
+        assert host_bytes == expected, "the copy held: this rank's local shards (rank 0: and the buffers)"
+
+
+def _dcp_async(directory: str, kind: str) -> int:
+    config = Config("transformer")
+    _, model = build_ours(config)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _steps(model, opt, config, 0, 2)
+    state_type = {"LOCAL": StateDictType.LOCAL_STATE_DICT, "SHARDED": StateDictType.SHARDED_STATE_DICT}[kind]
+
+    def state() -> dict:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with FSDP.state_dict_type(model, state_type):
+                return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+
+    dcp_checkpoint.save(state(), f"{directory}/step_000002.sync")
+    pending = dcp_checkpoint.async_save(state(), f"{directory}/step_000002.async")
+    _steps(model, opt, config, 2, 3)
+    metadata = pending.wait()
+    assert metadata is not None and metadata.state_dict_metadata
+    found = latest(directory)
+    assert found is not None and not found.skipped, "both directories complete, with their side files"
+
+    loaded = {}
+    for name in ("sync", "async"):
+        target = state()
+        dcp_checkpoint.load(target, f"{directory}/step_000002.{name}")
+        loaded[name] = target
+    _assert_same(loaded["async"], loaded["sync"])
+    return 1
+
+
+def _local(value):
+    if hasattr(value, "local_shards"):
+        return [s.tensor for s in value.local_shards()]
+    if hasattr(value, "to_local"):
+        return [value.to_local()]
+    return [value] if isinstance(value, torch.Tensor) else None
+
+
+def _assert_same(actual, expected, where: str = "") -> None:
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected), where
+        for key in expected:
+            _assert_same(actual[key], expected[key], f"{where}.{key}")
+    elif _local(expected) is not None:
+        for a, b in zip(_local(actual), _local(expected), strict=True):
+            assert torch.equal(a, b), where
+    else:
+        assert actual == expected, where
+
+
+@pytest.mark.parametrize("kind", ["SHARDED", "LOCAL"])
+def test_dcp_saved_in_the_background_equals_the_synchronous_save(tmp_path, kind: str) -> None:
+    run_on_ranks(_dcp_async, 2, str(tmp_path), kind)
+
+
+def _failing(directory: str) -> list[str]:
+    config = Config("net")
+    _, model = build_ours(config)
+    save_full_model(model, f"{directory}/out")
+    before = sorted(os.listdir(f"{directory}/out"))
+    messages = []
+
+    def broken(*_args) -> None:
+        raise OSError(28, "No space left on device")
+
+    with mock.patch.object(
+        hf_checkpoint, "_write_piece", broken if dist.get_rank() == 0 else hf_checkpoint._write_piece
+    ):
+        pending = save_full_model_async(model, f"{directory}/out")
+        try:
+            pending.wait()
+        except OSError as error:
+            messages.append(str(error))
+        save_full_model_async(model, f"{directory}/out")  # not waited for: the next call raises its error
+        try:
+            save_full_model_async(model, f"{directory}/other")
+        except OSError as error:
+            messages.append(str(error))
+    assert sorted(os.listdir(f"{directory}/out")) == before, "the previous directory is in place"
+    save_full_model_async(model, f"{directory}/other").wait()  # the failure has been raised once: this one runs
+    assert os.path.isdir(f"{directory}/other")
+    return messages
+
+
+def test_a_failed_background_save_raises_on_every_rank(tmp_path) -> None:
+    messages = run_on_ranks(_failing, 2, str(tmp_path))
+    assert messages[0] == messages[1] and len(messages[0]) == 2, messages
+    for message in messages[0]:
+        assert "No space left on device" in message and "Nothing was replaced" in message, message
