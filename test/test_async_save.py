@@ -7,7 +7,9 @@ The oracles: the synchronous save of the same step (save_full_model, itself chec
 FULL_STATE_DICT in test_hf_checkpoint.py; dcp_checkpoint.save) and the byte count of the local shards.
 """
 
+import contextlib
 import os
+import signal
 import time
 import warnings
 from unittest import mock
@@ -17,12 +19,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+import harness
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType, dcp_checkpoint
 from fsdp_legacy.checkpoint import latest, save_full_model, save_full_model_async
 from fsdp_legacy.state import hf_checkpoint
 from fsdp_utils import Config, batch, build_ours, loss_of
-from harness import run_on_ranks
+from harness import RankError, run_on_ranks
 
 
 def _slowly(seconds: float):
@@ -165,3 +168,76 @@ def test_a_failed_background_save_raises_on_every_rank(tmp_path) -> None:
     assert messages[0] == messages[1] and len(messages[0]) == 2, messages
     for message in messages[0]:
         assert "No space left on device" in message and "Nothing was replaced" in message, message
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A rank killed while a save runs in the background
+
+
+def _killed_in_the_background(root: str, fmt: str, victim: int) -> None:
+    """A complete save at step 2, then a background save at step 4 during which `victim` is SIGKILLed from the save's
+    own thread (full weights: at rank 0's first write or the victim's first send; DCP: after DCP's files, before the
+    side file); the survivor raises at wait()."""
+    from fsdp_legacy.state import async_save as async_module
+    from fsdp_legacy.state import peers
+
+    config = Config("transformer")
+    _, model = build_ours(config)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _steps(model, opt, config, 0, 2)
+
+    def state() -> dict:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+
+    if fmt == "full":
+        save_full_model(model, f"{root}/export")
+    else:
+        dcp_checkpoint.save(state(), f"{root}/step_000002.dcp")
+    _steps(model, opt, config, 2, 2)
+
+    def die(original):
+        def dying(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        return dying
+
+    me = dist.get_rank()
+    with contextlib.ExitStack() as patches:
+        if me == victim and fmt == "full":
+            target = (hf_checkpoint, "_write_piece") if me == 0 else (peers.Peers, "send")
+            patches.enter_context(mock.patch.object(*target, die(getattr(*target))))
+        elif me == victim:
+            patches.enter_context(mock.patch.object(async_module, "finish_save", die(async_module.finish_save)))
+        if fmt == "full":
+            pending = save_full_model_async(model, f"{root}/export")
+        else:
+            pending = dcp_checkpoint.async_save(state(), f"{root}/step_000004.dcp")
+        pending.wait()  # (training's own collectives would fail too, with gloo's error, once a rank is gone)
+
+
+@pytest.mark.heavy  # ranks are killed: CI runs it after the README's tests (pytest -m heavy)
+@pytest.mark.parametrize("fmt,victim", [("full", 0), ("full", 1), ("dcp", 1)])
+def test_a_rank_killed_during_a_background_save_leaves_the_last_good_checkpoint(
+    tmp_path, monkeypatch, fmt: str, victim: int
+) -> None:
+    monkeypatch.setattr(harness, "FAILURE_GRACE", 90.0)  # wait for every survivor's answer
+    root = str(tmp_path)
+    with pytest.raises(RankError) as caught:
+        run_on_ranks(_killed_in_the_background, 2, root, fmt, victim, timeout=90.0)
+    lines = {rank: text.strip().splitlines()[-1] for rank, text in caught.value.errors.items()}
+    assert lines.pop(victim).startswith("process died")
+    survivor = lines.popitem()[1]
+    if fmt == "full":
+        assert f"save_full_model could not save {root}/export: rank {victim} stopped answering" in survivor, survivor
+        assert load_file(f"{root}/export/model.safetensors"), "the step-2 export is in place"
+        assert sorted(os.listdir(root))[-1] == "export"
+    else:
+        assert "RuntimeError" in survivor, survivor
+        found = latest(root)
+        assert found is not None and found.path == f"{root}/step_000002.dcp", found
+        assert [os.path.basename(s.path) for s in found.skipped] == ["step_000004.dcp"]
+        assert "unfinished" in found.skipped[0].reason, found.skipped[0].reason

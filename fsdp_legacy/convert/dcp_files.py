@@ -214,6 +214,14 @@ def check_stamps(directory: str, metadata: Metadata, storage: Mapping) -> None:
         for name, (kind, stamp) in stamps.items()
         if kind != "unreadable" and stamp != expected
     }
+    unstamped = all(what == "no save identity" for what in wrong.values())
+    if wrong and unstamped and not os.path.exists(os.path.join(directory, SIDE_FILE)):
+        raise CheckpointError(
+            f"{directory} is an unfinished save: DCP wrote its files, but the save stopped before every data file "
+            f"carried its identity and before its {SIDE_FILE} was written ({', '.join(wrong)} not yet stamped): a "
+            "rank was killed or failed during the save. Use an earlier checkpoint (fsdp_legacy.checkpoint.latest "
+            "finds the newest complete one)."
+        )
     if wrong:
         listed = ", ".join(f"{name} ({what})" for name, what in wrong.items())
         raise CheckpointError(
