@@ -17,8 +17,9 @@ dim-0 chunks, in the call; a LOCAL one is the flat shards as they are, so its st
 
 Per save, after one unmeasured asynchronous save (ours makes its save group then): the synchronous save's
 time (state dict included), the asynchronous call's stall (state dict included: what
-training waits for), its time to complete, and the median training step while it runs (steps go on until every
-rank's save is complete) against the median step without a save. The targets (issue 32): step during a save <= 1.2x,
+training waits for), its time to complete, the median training step while it runs (steps go on until every
+rank's save is complete) against the median step without a save, and the bytes of the copy ours holds meanwhile
+(AsyncSave.host_bytes; DCP's staging copy for DCP). The targets (issue 32): step during a save <= 1.2x,
 stall <= 0.1x the synchronous save.
 """
 
@@ -151,6 +152,7 @@ def worker(rank: int, impl: str, port: int, workdir: str, args: dict, queue: Any
             "async_s": time.perf_counter() - start,
             "steps_during": len(during),
             "step_during": statistics.median(during),
+            "host_bytes": getattr(pending, "host_bytes", 0),
         }
     gathered: list[Any] = [None, None]
     dist.all_gather_object(gathered, results)
@@ -210,14 +212,15 @@ def table(rows: list[dict], args: dict) -> str:
         f"ranks, 1 thread each, batch {args['rows']} rows; the slowest rank's figures.",
         "",
         "| save | synchronous save | async call's stall | stall / sync | async to complete | step without | "
-        "step during (median, n) | during / without |",
-        "|---|---|---|---|---|---|---|---|",
+        "step during (median, n) | during / without | copy held |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        held = f"{r['host_bytes'] / 2**20:.0f} MiB" if r["host_bytes"] else "n/a"
         lines.append(
             f"| {r['save']} | {r['sync_s']:.3f} s | {r['stall_s']:.3f} s | {r['stall_ratio']:.3f}x | "
             f"{r['async_s']:.3f} s | {r['step_s']:.3f} s | {r['step_during']:.3f} s ({r['steps_during']}) | "
-            f"{r['step_ratio']:.2f}x |"
+            f"{r['step_ratio']:.2f}x | {held} |"
         )
     return "\n".join(lines)
 

@@ -1,6 +1,10 @@
 """Full checkpoint save and load: torch FSDP1's way against fsdp_legacy's streamed save_full_model / load_full_model.
 
     python3 tools/bench_checkpoint.py [--layers 16 --width 4096] [--out docs/benchmarks.md] [--plot PNG]
+    python3 tools/bench_checkpoint.py --during-training [bench_async_save.py's options]
+
+`--during-training` times saves while training runs instead, synchronous against in the background
+(tools/bench_async_save.py, whose options follow it).
 
 Spawns 2 gloo ranks on the CPU per implementation (torch first, then ours, each in fresh processes). The model is
 `layers` blocks of Linear(width, width) (16 x 4096: 268 M parameters, 1.07 GB of fp32), one FSDP unit per block.
@@ -29,6 +33,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -266,6 +271,11 @@ def plot(results: dict[str, list[dict]], path: str) -> None:
 
 
 def main() -> None:
+    if "--during-training" in sys.argv[1:]:
+        import bench_async_save
+
+        bench_async_save.main([a for a in sys.argv[1:] if a != "--during-training"])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--width", type=int, default=4096)

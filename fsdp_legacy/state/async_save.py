@@ -9,12 +9,17 @@ are written in the background while training goes on.
 The background work talks over a gloo group of its own (one per set of ranks, made on the first call), so its
 collectives and transfers never pair with training's, whatever backend training uses. One save is in flight at a
 time: a new call first waits for the previous one (and raises its error if no one has seen it), so the host memory
-held is one copy of this rank's part of the state. For DCP that copy is DCP's staging (dcp.async_save); for full
-weights it is this rank's local shards (rank 0: plus the tensors held whole), in CPU buffers kept for the next save,
-pinned when the shards live on a GPU, where the copy is queued on the current stream and the call does not wait for
-it. The files are the same as the synchronous save's, written the same way: a kill leaves the previous checkpoint.
+held is one copy of this rank's part of the state. For DCP that copy is DCP's staging (the stager dcp.async_save
+uses, run in the call, then dcp.save in the save's thread, as dcp.async_save's thread runs it); for full weights it
+is this rank's local shards (rank 0: plus the tensors held whole), in CPU buffers kept for the next save, pinned when
+the shards live on a GPU, where the copy is queued on the current stream and the call does not wait for it. The
+save's thread runs at the lowest CPU priority, so that where training keeps every core busy it is training that
+gets them. The files are the same as the synchronous save's, written the same way: a kill leaves the previous
+checkpoint.
 """
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +31,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from .dcp_checkpoint import finish_save, forget_side_file, records_of_tree
 from .hf_checkpoint import (
@@ -40,6 +44,8 @@ from .hf_checkpoint import (
 from .peers import Peers
 
 __all__ = ["AsyncSave", "async_save", "save_full_model_async"]
+
+BACKGROUND_NICE = 19  # the save's thread yields the cores to training's (the lowest priority, about 1/70 of a core)
 
 
 class AsyncSave:
@@ -55,6 +61,8 @@ class AsyncSave:
         self._thread.start()
 
     def _run(self, work: Callable[[], Any]) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # Linux: a thread has a nice value of its own
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         try:
             self._future.set_result(work())
         except BaseException as error:  # handed to wait(), on this rank as on every other
@@ -115,8 +123,8 @@ def _start(where: str, started: float, work: Callable[[], Any], host_bytes: int)
 def async_save(
     state: dict[str, Any], checkpoint_id: str, *, process_group: dist.ProcessGroup | None = None
 ) -> AsyncSave:
-    """dcp_checkpoint.save in the background: DCP stages a CPU copy of `state` during the call (dcp.async_save), and
-    writes it, the save identity stamps, CRC-32s and side file afterwards, on its own group. Every rank of
+    """dcp_checkpoint.save in the background: DCP's stager copies `state` to the CPU during the call, and dcp.save
+    writes the copy, then the save identity stamps, CRC-32s and side file follow, on the save's own group. Every rank of
     `process_group` calls it; `wait()` returns DCP's metadata. Until the side file is written the directory counts as
     unfinished (latest() skips it)."""
     started = time.perf_counter()
@@ -124,11 +132,12 @@ def async_save(
     group = side_group(process_group)
     records = records_of_tree(state)
     forget_side_file(checkpoint_id, group)
-    response = dcp.async_save(state, storage_writer=FileSystemWriter(checkpoint_id), process_group=group)
-    upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response  # (async staging)
+    writer = FileSystemWriter(checkpoint_id)
+    staged = writer.stage(state)  # DCP's staging (what dcp.async_save runs in the call): a CPU copy of every tensor
 
-    def finish() -> Any:
-        return finish_save(upload.result(), checkpoint_id, records, group)
+    def finish() -> Any:  # what dcp.async_save's thread runs, then ours, in a thread whose priority is lowered
+        saved = dcp.save(staged, storage_writer=writer, process_group=group)
+        return finish_save(saved, checkpoint_id, records, group)
 
     return _start(checkpoint_id, started, finish, _local_bytes(state))
 
