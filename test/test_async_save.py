@@ -241,3 +241,95 @@ def test_a_rank_killed_during_a_background_save_leaves_the_last_good_checkpoint(
         assert found is not None and found.path == f"{root}/step_000002.dcp", found
         assert [os.path.basename(s.path) for s in found.skipped] == ["step_000004.dcp"]
         assert "unfinished" in found.skipped[0].reason, found.skipped[0].reason
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# SHARDED state dicts built in the background
+
+
+def _sharded_now(model, opt) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+
+
+def _assert_same_sharded(actual, expected, where: str = "") -> None:
+    """Equal trees, ShardedTensors equal in their global metadata and local shards."""
+    if isinstance(expected, dict):
+        assert sorted(actual, key=str) == sorted(expected, key=str), f"{where}: {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            _assert_same_sharded(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), where
+        for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
+            _assert_same_sharded(a, b, f"{where}[{i}]")
+    elif hasattr(expected, "local_shards"):
+        assert hasattr(actual, "local_shards"), where
+        mine, theirs = actual.metadata(), expected.metadata()
+        assert mine.size == theirs.size and mine.tensor_properties.dtype == theirs.tensor_properties.dtype, where
+        shape = [(m.shard_offsets, m.shard_sizes) for m in mine.shards_metadata]
+        assert shape == [(m.shard_offsets, m.shard_sizes) for m in theirs.shards_metadata], where
+        for a, b in zip(actual.local_shards(), expected.local_shards(), strict=True):
+            assert a.metadata.shard_offsets == b.metadata.shard_offsets and torch.equal(a.tensor, b.tensor), where
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
+        assert torch.equal(actual.cpu(), expected.cpu()), where
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def _built_in_the_background(config: Config) -> bool:
+    from fsdp_legacy.state import background_state
+    from fsdp_legacy.state.async_save import side_group
+
+    _, model = build_ours(config)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _steps(model, opt, config, 0, 2)
+    expected = _sharded_now(model, opt)
+    captured = background_state.capture(model, opt, lambda t: t.clone())
+    if captured is None:
+        return False
+    _steps(model, opt, config, 2, 1)  # training moves on; the copies do not
+    model_state, optim_state = background_state.build(captured, side_group())
+    _assert_same_sharded({"model": model_state, "optim": optim_state}, expected)
+    return True
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        Config("transformer"),
+        Config("transformer", mixed_precision=("bfloat16",) * 3),
+        Config("net", use_orig_params=True),
+        Config("frozen", "FULL_SHARD", "block", True),
+        Config("net", strategy="NO_SHARD"),
+    ],
+    ids=["transformer", "transformer_bf16", "net_uop", "frozen_uop", "net_no_shard"],
+)
+def test_sharded_dicts_built_in_the_background_equal_the_synchronous_ones(config: Config) -> None:
+    built = run_on_ranks(_built_in_the_background, 2, config)
+    assert built == [config.strategy != "NO_SHARD"] * 2, "NO_SHARD units build in the call instead"
+
+
+def _sharded_async(directory: str, config: Config) -> float:
+    _, model = build_ours(config)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _steps(model, opt, config, 0, 2)
+    dcp_checkpoint.save(_sharded_now(model, opt), f"{directory}/sync")
+    pending = dcp_checkpoint.async_save_sharded(model, opt, f"{directory}/async")
+    _steps(model, opt, config, 2, 3)
+    pending.wait()
+    loaded = {}
+    for name in ("sync", "async"):
+        target = _sharded_now(model, opt)
+        dcp_checkpoint.load(target, f"{directory}/{name}")
+        loaded[name] = target
+    _assert_same_sharded(loaded["async"], loaded["sync"])
+    return pending.host_bytes
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_sharded_save_in_the_background_loads_as_the_synchronous_one(tmp_path, strategy: str) -> None:
+    held = run_on_ranks(_sharded_async, 2, str(tmp_path / strategy), Config("transformer", strategy=strategy))
+    assert all(h > 0 for h in held)

@@ -8,12 +8,14 @@ Spawns 2 gloo ranks on the CPU per implementation (one thread each), trains `lay
 
 * ours, full weights: save_full_model (safetensors, streamed to rank 0) against save_full_model_async;
 * ours, DCP: dcp_checkpoint.save of the SHARDED, then the LOCAL, model and optimizer state against
-  dcp_checkpoint.async_save;
+  dcp_checkpoint.async_save of the state dict built in the call, and (SHARDED) against
+  dcp_checkpoint.async_save_sharded(model, optim), which builds it in the background;
 * torch's FSDP1, DCP: dcp.save of its SHARDED, then LOCAL, state against dcp.async_save on a gloo group of its own
   (what torch recommends for async saves).
 
 A SHARDED state dict is made by all-gathering each unit and cutting every parameter (and its optimizer state) into
-dim-0 chunks, in the call; a LOCAL one is the flat shards as they are, so its stall is the staging copy alone.
+dim-0 chunks (and FSDP1's optimizer state dicts do so under LOCAL too), in the call, unless async_save_sharded
+copies the shards and builds it in the background.
 
 Per save, after one unmeasured asynchronous save (ours makes its save group then): the synchronous save's
 time (state dict included), the asynchronous call's stall (state dict included: what
@@ -47,8 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp_legacy from
 from process_exit import exit_now
 
 MARK_BEGIN, MARK_END = "<!-- bench_async_save:begin -->", "<!-- bench_async_save:end -->"
-FORMATS = {"ours": ("full", "sharded", "local"), "torch": ("sharded", "local")}
-NAMES = {"full": "full safetensors", "sharded": "DCP SHARDED", "local": "DCP LOCAL"}
+FORMATS = {"ours": ("full", "sharded", "sharded_model", "local"), "torch": ("sharded", "local")}
+NAMES = {
+    "full": "full safetensors",
+    "sharded": "DCP SHARDED, state dict built in the call",
+    "sharded_model": "DCP SHARDED, async_save_sharded",
+    "local": "DCP LOCAL",
+}
 
 
 class Block(nn.Module):
@@ -103,7 +110,7 @@ def worker(rank: int, impl: str, port: int, workdir: str, args: dict, queue: Any
         return time.perf_counter() - start
 
     def state(fmt: str) -> dict:
-        fsdp, kind = lib.FullyShardedDataParallel, lib.StateDictType[f"{fmt.upper()}_STATE_DICT"]
+        fsdp, kind = lib.FullyShardedDataParallel, lib.StateDictType[f"{fmt.split('_')[0].upper()}_STATE_DICT"]
         with fsdp.state_dict_type(model, kind):
             return {"model": model.state_dict(), "optim": fsdp.optim_state_dict(model, opt)}
 
@@ -118,6 +125,8 @@ def worker(rank: int, impl: str, port: int, workdir: str, args: dict, queue: Any
     def save_async(fmt: str, path: str) -> Any:
         if fmt == "full":
             return save_full_model_async(model, path)
+        if fmt == "sharded_model":
+            return dcp_checkpoint.async_save_sharded(model, opt, path)
         if impl == "ours":
             return dcp_checkpoint.async_save(state(fmt), path)
         return _Pending(dcp.async_save(state(fmt), storage_writer=dcp.FileSystemWriter(path), process_group=side))

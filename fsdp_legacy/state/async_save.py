@@ -32,6 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
+from ..api import StateDictType
+from . import background_state
 from .dcp_checkpoint import finish_save, forget_side_file, records_of_tree
 from .hf_checkpoint import (
     SaveSources,
@@ -41,9 +43,11 @@ from .hf_checkpoint import (
     save_frame,
     write_full_model,
 )
+from .optim_state import optim_state_dict
 from .peers import Peers
+from .state_dict import state_dict_type
 
-__all__ = ["AsyncSave", "async_save", "save_full_model_async"]
+__all__ = ["AsyncSave", "async_save", "async_save_sharded", "save_full_model_async"]
 
 BACKGROUND_NICE = 19  # the save's thread yields the cores to training's (the lowest priority, about 1/70 of a core)
 
@@ -129,7 +133,12 @@ def async_save(
     unfinished (latest() skips it)."""
     started = time.perf_counter()
     _settle_previous()
-    group = side_group(process_group)
+    return _dcp_in_background(state, checkpoint_id, side_group(process_group), started)
+
+
+def _dcp_in_background(
+    state: dict[str, Any], checkpoint_id: str, group: dist.ProcessGroup, started: float
+) -> AsyncSave:
     records = records_of_tree(state)
     forget_side_file(checkpoint_id, group)
     writer = FileSystemWriter(checkpoint_id)
@@ -140,6 +149,59 @@ def async_save(
         return finish_save(saved, checkpoint_id, records, group)
 
     return _start(checkpoint_id, started, finish, _local_bytes(state))
+
+
+@torch.no_grad()
+def async_save_sharded(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    checkpoint_id: str,
+    *,
+    model_key: str = "model",
+    optim_key: str = "optim",
+) -> AsyncSave:
+    """The model's and the optimizer's SHARDED state dicts saved through DCP in the background, as
+    `dcp_checkpoint.save({model_key: model.state_dict(), optim_key: FSDP.optim_state_dict(model, optim)}, ...)` under
+    SHARDED_STATE_DICT would save them at this moment, but the call only copies this rank's flat shards, buffers and
+    optimizer state: the all-gathers that cut every parameter and state into per-rank chunks run in the background,
+    on the save's own group (background_state.py). Every rank calls it; load the checkpoint as any SHARDED one.
+    Models whose SHARDED dicts cannot be built that way (NO_SHARD, DTensor state dicts, units sharded over fewer
+    than every rank) have them built in the call, and the writing still runs in the background."""
+    started = time.perf_counter()
+    _settle_previous()
+    group = side_group()
+    _buffers.begin()
+    captured, failure = None, None
+    try:
+        captured = background_state.capture(model, optim, _buffers.copy)
+    except Exception as error:
+        failure = error
+    ready = _buffers.copied()
+    _agree_on(failure, group)  # every rank raises, or none: no rank's thread waits for a gather that never comes
+    if captured is None:
+        with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state = {model_key: model.state_dict(), optim_key: optim_state_dict(model, optim)}
+        return _dcp_in_background(state, checkpoint_id, group, started)
+    forget_side_file(checkpoint_id, group)
+    writer = FileSystemWriter(checkpoint_id)
+
+    def work() -> Any:
+        if ready is not None:
+            ready.synchronize()
+        model_state, optim_state = background_state.build(captured, group)
+        saved = dcp.save({model_key: model_state, optim_key: optim_state}, storage_writer=writer, process_group=group)
+        return finish_save(saved, checkpoint_id, {}, group)
+
+    return _start(checkpoint_id, started, work, captured.copied_bytes)
+
+
+def _agree_on(failure: Exception | None, group: dist.ProcessGroup) -> None:
+    failed = torch.tensor([failure is not None], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise RuntimeError("async_save_sharded failed on another rank (its error says why); nothing was saved")
 
 
 @torch.no_grad()

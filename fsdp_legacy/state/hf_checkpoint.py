@@ -259,14 +259,16 @@ def collect_for_save(model: nn.Module) -> SaveSources:
     return SaveSources(entries, handles)
 
 
-def copy_sources(sources: SaveSources, into: Callable[[torch.Tensor], torch.Tensor]) -> SaveSources:
+def copy_sources(
+    sources: SaveSources, into: Callable[[torch.Tensor], torch.Tensor], every_rank: bool = False
+) -> SaveSources:
     """The sources with every local shard and whole tensor copied by `into(tensor)` (a CPU copy); rank 0 alone
-    writes whole tensors, so the other ranks copy none."""
+    writes whole tensors, so the other ranks copy none unless `every_rank` (a SHARDED state dict holds them)."""
     copies: list[ShardCopy] = []
     for handle in sources.handles:
         assert isinstance(handle, FlatParamHandle)
         copies.append(ShardCopy(handle.sharded, handle.group, handle.layout, handle.rank, into(handle.local_shard)))
-    keep = dist.get_rank() == 0
+    keep = every_rank or dist.get_rank() == 0
     entries = [
         _Entry(e.key, e.shape, e.dtype, e.aliases, e.unit, e.info, into(e.tensor.detach()) if keep else None)
         if e.tensor is not None

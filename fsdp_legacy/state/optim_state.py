@@ -185,6 +185,27 @@ def optim_state_dict(
     return result
 
 
+@dataclass
+class OptimSavePlan:
+    """What saving an optimizer's state reads of the model and the optimizer: its state dict (`osd`, keyed by ids),
+    what each of its parameters stands for, and the flat parameters in the model's order. Building the saved dict
+    from it reads the handles' layouts, never their values, so a plan whose `osd` holds copies builds in the
+    background (async_save.py)."""
+
+    osd: dict[str, Any]
+    entries: list[tuple[int, _Entry]]
+    units: list[tuple[FSDPUnit, FlatParamHandle, list[tuple[ParamInfo, str]]]]
+    uses_orig_params: bool
+
+
+def plan_optim_save(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any] | None) -> OptimSavePlan:
+    osd = optim.state_dict() if osd is None else osd
+    entries = _entries(model, optim)
+    if keyed_by_name(osd):  # a named optimizer (_NamedOptimizer, torchrec's): saved as if keyed by ids
+        osd = by_param_ids(model, [param for group in optim.param_groups for param in group["params"]], osd)
+    return OptimSavePlan(osd, entries, _handles_in_model_order(model), _uses_orig_params(model))
+
+
 @torch.no_grad()
 def save_optim_state(
     model: nn.Module,
@@ -194,11 +215,21 @@ def save_optim_state(
     config: OptimStateDictConfig,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
-    osd = optim.state_dict() if osd is None else osd
-    entries = _entries(model, optim)
-    if keyed_by_name(osd):  # a named optimizer (_NamedOptimizer, torchrec's): saved as if keyed by ids
-        osd = by_param_ids(model, [param for group in optim.param_groups for param in group["params"]], osd)
-    rank0_keys = None if _uses_orig_params(model) else _check_rank0_states(entries, osd["state"], group)
+    return build_optim_state(plan_optim_save(model, optim, osd), kind, config, group)
+
+
+@torch.no_grad()
+def build_optim_state(
+    plan: OptimSavePlan,
+    kind: StateDictType,
+    config: OptimStateDictConfig,
+    group: dist.ProcessGroup | None = None,
+    unit_groups: dict[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+) -> dict[str, Any]:
+    """The saved dict; `unit_groups` maps a unit's group to the one its gathers use instead (a background save's own,
+    whose gathers then run on the CPU, where the copies of the plan's state are)."""
+    osd, entries = plan.osd, plan.entries
+    rank0_keys = None if plan.uses_orig_params else _check_rank0_states(entries, osd["state"], group)
     local = _local_state_by_fqn(entries, osd["state"])
     specs = _global_specs(local, group)
     rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
@@ -212,10 +243,10 @@ def save_optim_state(
                 for n, v in osd["state"].get(key, {}).items()
             }
     # Units gather in the model's order, the same on every rank whatever order each rank's optimizer has.
-    for unit, handle, infos in _handles_in_model_order(model):
+    for unit, handle, infos in plan.units:
         if not any(fqn in specs for _, fqn in infos):
             continue
-        for fqn, info, gathered in _gather_handle(handle, infos, local, specs):
+        for fqn, info, gathered in _gather_handle(handle, infos, local, specs, unit_groups):
             if keep:
                 record = handle.dtensors.get(info)
                 values[fqn] = {n: _save_value(v, unit, handle, full, config, record) for n, v in gathered.items()}
@@ -294,15 +325,18 @@ def _gather_handle(
     infos: list[tuple[ParamInfo, str]],
     local_by_fqn: dict[str, dict[str, Any]],
     specs: dict[str, dict],
+    unit_groups: dict[dist.ProcessGroup, dist.ProcessGroup] | None = None,
 ) -> Iterable[tuple[str, ParamInfo, dict[str, Any]]]:
     """(fqn, layout info, {state name: full tensor view or scalar}) of the unit's parameters (`infos`, in the model's
     order) that have state anywhere; a scalar is this rank's own where it has one, else another rank's."""
     shard_numel = handle.local_shard.numel()
+    group = handle.group if unit_groups is None else unit_groups[handle.group]
+    device = handle.local_shard.device if unit_groups is None else torch.device("cpu")
     pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
     names = {name: spec[1] for _, fqn in infos for name, spec in specs.get(fqn, {}).items() if spec[0]}
     gathered: dict[str, torch.Tensor] = {}
     for name, dtype in names.items():
-        local = torch.zeros(shard_numel, dtype=dtype, device=handle.local_shard.device)
+        local = torch.zeros(shard_numel, dtype=dtype, device=device)
         for info, fqn in infos:
             value = local_by_fqn.get(fqn, {}).get(name)
             if value is None:
@@ -317,7 +351,7 @@ def _gather_handle(
                 local[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard].copy_(value.reshape(-1))
         if handle.sharded:
             flat = torch.empty(handle.layout.padded_numel, dtype=dtype, device=local.device)
-            comm.all_gather(flat, local, handle.group).wait()
+            comm.all_gather(flat, local, group).wait()
             gathered[name] = flat
         else:
             gathered[name] = local

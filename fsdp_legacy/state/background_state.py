@@ -1,0 +1,106 @@
+"""SHARDED model and optimizer state dicts built away from training: copied in the call, built in a background save.
+
+What FSDP1's SHARDED state dicts cost in the call is their gathers: every unit is all-gathered to cut each parameter
+(and each optimizer state) into per-rank dim-0 chunks. A background save instead copies this rank's flat shards, its
+buffers and its optimizer's state (memory copies), and builds the same dicts in its own thread, gathering the copies
+over its own group. The result equals `model.state_dict()` and `FSDP.optim_state_dict()` under SHARDED_STATE_DICT
+at the moment of the copy (test_async_save.py). Models this does not cover (NO_SHARD units, DTensor state dicts, a
+unit sharded over fewer than every rank) make `capture` return None, and the caller builds the dicts in the call.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import collectives as comm
+from ..api import ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictType
+from ..handle import FlatParamHandle
+from ..unit import FSDPUnit
+from .hf_checkpoint import SaveSources, ShardCopy, collect_for_save, copy_sources
+from .optim_state import OptimSavePlan, build_optim_state, plan_optim_save
+from .state_dict import chunk_sharded_tensor
+from .state_dict_dtensor import uses_dtensor
+
+
+@dataclass
+class CapturedState:
+    """Copies of what the SHARDED dicts are built from: the model's tensors (local shards, whole tensors on every
+    rank) with the handles that describe them, and the optimizer's save plan whose state dict holds copies."""
+
+    model: SaveSources
+    handles: list[FlatParamHandle]
+    optim: OptimSavePlan
+
+    @property
+    def copied_bytes(self) -> int:
+        return self.model.copied_bytes + _tree_bytes(self.optim.osd["state"])
+
+
+def capture(model: nn.Module, optim: torch.optim.Optimizer, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A CapturedState, or None where this model's SHARDED dicts are built in the call (see the module's note)."""
+    everyone = sorted(range(dist.get_world_size()))
+    for unit in (m for m in model.modules() if isinstance(m, FSDPUnit)):
+        if unit.sharding_strategy == ShardingStrategy.NO_SHARD or uses_dtensor(unit, ShardedStateDictConfig()):
+            return None
+        for handle in unit._handles:
+            ranks = sorted(dist.get_process_group_ranks(handle.group))
+            if not handle.sharded or ranks != everyone or handle.dtensors:
+                return None
+    sources = collect_for_save(model)
+    handles = [h for h in sources.handles if isinstance(h, FlatParamHandle)]
+    plan = plan_optim_save(model, optim, None)
+    copied = replace(plan, osd={**plan.osd, "state": _copy_tree(plan.osd["state"], copy)})
+    return CapturedState(copy_sources(sources, copy, every_rank=True), handles, copied)
+
+
+def build(captured: CapturedState, group: dist.ProcessGroup) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model state dict, optimizer state dict) as SHARDED_STATE_DICT gives them, gathered over `group`."""
+    unit_groups = {handle.group: group for handle in captured.handles}
+    model_state = _model_state(captured, group)
+    optim_state = build_optim_state(
+        captured.optim, StateDictType.SHARDED_STATE_DICT, ShardedOptimStateDictConfig(), group, unit_groups
+    )
+    return model_state, optim_state
+
+
+def _model_state(captured: CapturedState, group: dist.ProcessGroup) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    entries = captured.model.entries
+    for index, (handle, copy) in enumerate(zip(captured.handles, captured.model.handles, strict=True)):
+        assert isinstance(copy, ShardCopy)
+        full = torch.empty(handle.layout.padded_numel, dtype=copy.local_shard.dtype)
+        comm.all_gather(full, copy.local_shard, group).wait()
+        for entry in entries:
+            if entry.unit == index and entry.info is not None:
+                param = full[entry.info.offset : entry.info.offset + entry.info.numel].view(entry.info.shape)
+                value = chunk_sharded_tensor(param, handle, offload_to_cpu=False)
+                state.update((key, value) for key in (entry.key, *entry.aliases))
+    for entry in entries:
+        if entry.tensor is not None:
+            whole = entry.tensor.to(entry.dtype)  # a buffer kept in MixedPrecision's buffer_dtype: saved in its own
+            state.update((key, whole) for key in (entry.key, *entry.aliases))
+    return state
+
+
+def _copy_tree(value: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return copy(value.detach())
+    if isinstance(value, dict):
+        return {key: _copy_tree(item, copy) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copy_tree(item, copy) for item in value)
+    return value
+
+
+def _tree_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(_tree_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tree_bytes(item) for item in value)
+    return 0
