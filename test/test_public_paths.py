@@ -9,22 +9,27 @@ from typing import Any
 
 import fsdp_legacy.checkpoint
 import fsdp_legacy.dcp_checkpoint
+import fsdp_legacy.state.async_save
 import fsdp_legacy.state.checkpoint
 import fsdp_legacy.state.dcp_checkpoint
 import fsdp_legacy.state.hf_checkpoint
+import fsdp_legacy.state.rank_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_dcp_checkpoint_spellings_are_one_api() -> None:
     from fsdp_legacy import dcp_checkpoint
-    from fsdp_legacy.dcp_checkpoint import load, save
+    from fsdp_legacy.dcp_checkpoint import async_save, async_save_sharded, load, save
+    from fsdp_legacy.state import async_save as background
     from fsdp_legacy.state import dcp_checkpoint as internal
 
     assert dcp_checkpoint is fsdp_legacy.dcp_checkpoint
-    assert sorted(dcp_checkpoint.__all__) == ["load", "save"]
+    assert sorted(dcp_checkpoint.__all__) == ["AsyncSave", "async_save", "async_save_sharded", "load", "save"]
     for name, value in (("save", save), ("load", load)):
         assert value is getattr(dcp_checkpoint, name) is getattr(internal, name)
+    for name, value in (("async_save", async_save), ("async_save_sharded", async_save_sharded)):
+        assert value is getattr(dcp_checkpoint, name) is getattr(background, name)
 
 
 def test_checkpoint_spellings_are_one_api() -> None:
@@ -35,6 +40,10 @@ def test_checkpoint_spellings_are_one_api() -> None:
         home = fsdp_legacy.state.hf_checkpoint if name.endswith("full_model") else fsdp_legacy.state.checkpoint
         if name in ("latest", "LatestCheckpoint", "SkippedCheckpoint"):
             home = fsdp_legacy.state.latest
+        if name in ("AsyncSave", "save_full_model_async"):
+            home = fsdp_legacy.state.async_save
+        if name == "load_rank_state":
+            home = fsdp_legacy.state.rank_file
         assert getattr(checkpoint, name) is getattr(home, name), name
 
 

@@ -10,6 +10,7 @@ import torch
 
 from ..convert import FORMATS, SOURCE_LAYOUTS, CheckpointError, convert_checkpoint, detect_layout
 from .common import EXIT_CODES, EXIT_OK, ByteProgress, UsageError, check_source
+from .model_layout import is_model_spec, layout_of_model
 
 HELP = "convert a checkpoint between LOCAL (flat), FSDP2's DCP, one torch.save file and safetensors"
 
@@ -49,6 +50,7 @@ EXAMPLES = f"""examples:
   fsdp-legacy convert ckpt/fsdp2 ckpt/model.pt --to full                 # -> one torch.save file
   fsdp-legacy convert ckpt/model.pt ckpt/local8 --to local --world-size 8      # -> LOCAL for 8 ranks
   fsdp-legacy convert torch_ckpt/local ckpt/model.pt --to full --layout-from ckpt/local   # torch FSDP1's LOCAL
+  fsdp-legacy convert plain_dcp/ ckpt/model.pt --to full --layout-from mypkg.models:build --wrap mypkg.models.Layer
   fsdp-legacy convert 'ckpt/rank*.pt' ckpt/fsdp2 --to dcp                # per-rank torch.save files (quoted glob)
   fsdp-legacy convert out/checkpoint-100 hf/ --to safetensors --dtype bfloat16   # Accelerate -> Hugging Face
   fsdp-legacy convert global_step_50/actor ckpt/fsdp2 --to dcp           # verl's per-rank files
@@ -105,8 +107,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--layout-from",
         help="a checkpoint carrying the flat-parameter layout (one saved by fsdp_legacy under LOCAL_STATE_DICT, or "
-        "converted from one): needed for --to local from a checkpoint without it, to read torch FSDP1's LOCAL "
-        "checkpoints, and verl's FSDP1 optimizer state",
+        "converted from one), or the model's code as pkg.mod:factory (a function returning the plain model; with "
+        "--wrap): needed for --to local from a checkpoint without it, to read torch FSDP1's LOCAL checkpoints and a "
+        "plain dcp.save of a LOCAL state dict, and verl's FSDP1 optimizer state",
+    )
+    p.add_argument(
+        "--wrap",
+        help="with --layout-from pkg.mod:factory: the dotted class each FSDP unit wraps (e.g. mypkg.models.Layer), "
+        "as the checkpoint was saved",
+    )
+    p.add_argument(
+        "--use-orig-params",
+        action="store_true",
+        help="with --layout-from pkg.mod:factory: the checkpoint was saved with use_orig_params=True",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     p.add_argument("--no-verify", action="store_true", help="skip reading the output back")
@@ -127,7 +140,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{args.source} is one safetensors file: pass the directory that holds it (Hugging Face's layout)."
         )
-    if args.layout_from is not None:
+    layout = None
+    if args.layout_from is not None and not os.path.exists(args.layout_from) and is_model_spec(args.layout_from):
+        layout = layout_of_model(args.layout_from, args.wrap, args.use_orig_params)
+        args.layout_from = None
+    elif args.wrap or args.use_orig_params:
+        raise UsageError("--wrap and --use-orig-params go with --layout-from pkg.mod:factory (the model's code).")
+    elif args.layout_from is not None:
         check_source(args.layout_from, "--layout-from")
     if args.source_layout == "auto":
         try:
@@ -172,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             model_only=args.model_only,
             strip_prefix=args.strip_prefix,
+            layout=layout,
         )
     finally:
         progress.close()

@@ -19,7 +19,7 @@ import errno
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +86,7 @@ def convert_checkpoint(
     max_shard_size: int | str = "5GB",
     model_only: bool = False,
     strip_prefix: str | None = None,
+    layout: Mapping[str, FlatParamRecord] | None = None,
 ) -> ConversionReport:
     """Convert the checkpoint at `source` to format `to` at `destination`, atomically. The source is any of the
     formats, or a layout the frameworks write (`source_layout`, one of sources.SOURCE_LAYOUTS; detected when None):
@@ -96,7 +97,9 @@ def convert_checkpoint(
     LOCAL checkpoints saved without layout records, by torch's FSDP1, and verl's FSDP1 flat optimizer state).
     `to="safetensors"` writes the model weights in Hugging Face's layout (files of at most `max_shard_size`, floating
     tensors cast to `dtype`); the optimizer state is not carried there. `model_only` leaves the optimizer out;
-    `strip_prefix` takes a prefix off the parameter names that have it (not with to="local")."""
+    `strip_prefix` takes a prefix off the parameter names that have it (not with to="local"). `layout` gives the
+    layout records themselves (by flat key), as `layout_from` would read them (cli/model_layout.py builds them from
+    model code)."""
     if to not in FORMATS:
         raise CheckpointError(f"Unknown target format {to!r}: choose one of {', '.join(FORMATS)}.")
     if source_layout not in (None, "auto", *SOURCE_LAYOUTS):
@@ -115,7 +118,9 @@ def convert_checkpoint(
         raise CheckpointError(f"{destination} is the source: write the conversion to another path.")
     start = time.perf_counter()
     progress = progress or (lambda *_: None)
-    layout = _records_of(layout_from) if layout_from is not None else {}
+    if layout is not None and layout_from is not None:
+        raise CheckpointError("Pass the layout as layout_from (a checkpoint) or as layout (records), not both.")
+    layout = dict(layout) if layout is not None else _records_of(layout_from) if layout_from is not None else {}
     stored, source_format = open_source(source, source_layout, layout, optimizer=not model_only)
     with stored:
         if source_format in ("dcp", "full"):

@@ -97,7 +97,8 @@ class Unflattened(Checkpoint):
                     f"DCP directory's {SIDE_FILE} when saved through fsdp_legacy.dcp_checkpoint.save; this checkpoint "
                     "was saved by torch's FSDP1, by a plain dcp.save, or from a copy of the state dict without its "
                     "_metadata. Pass --layout-from (layout_from=) a checkpoint of the same model and wrapping saved by "
-                    "fsdp_legacy at any world size; or save with fsdp_legacy.dcp_checkpoint.save (or "
+                    "fsdp_legacy at any world size, or the model's code (--layout-from pkg.mod:factory --wrap "
+                    "pkg.mod.Layer); or save with fsdp_legacy.dcp_checkpoint.save (or "
                     f"{LAYOUT_KEYS_ENV}=1, which adds the records as <flat key>{RECORD_SUFFIX} tensors) next time."
                 )
             # The flat parameter's world size, from the chunks the ranks saved: ceil(numel / shard numel).
