@@ -1,4 +1,4 @@
-"""pytest config for fsdp_legacy: puts test/ and the repo root on sys.path and
+"""pytest config for fsdp_legacy: puts the repo root, test/ and its test folders on sys.path (repo_paths.py) and
 provides the ``ranks`` fixture backed by the session-wide rank pools in harness.py."""
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ from typing import Any
 import pytest
 
 _TEST_DIR = os.path.dirname(os.path.abspath(__file__))
-for _p in (os.path.dirname(_TEST_DIR), _TEST_DIR):  # test/ ends up first
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if _TEST_DIR not in sys.path:
+    sys.path.insert(0, _TEST_DIR)
 
-import harness  # noqa: E402  (needs the sys.path entry above)
+import repo_paths  # noqa: E402  (needs the sys.path entry above)
+
+repo_paths.put_on_sys_path()
+
+import harness  # noqa: E402
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -34,7 +34,6 @@ from torch.utils._pytree import tree_map_only
 __all__ = ["RankError", "run_on_ranks", "shutdown"]
 
 _TEST_DIR = os.path.dirname(os.path.abspath(__file__))
-_REPO_ROOT = os.path.dirname(_TEST_DIR)
 STARTUP_TIMEOUT = 180.0  # several ranks importing torch on 2 cores can be slow
 FAILURE_GRACE = 3.0  # after a rank fails, how long the others get to report too
 _ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
@@ -57,9 +56,11 @@ def _worker(rank: int, ws: int, port: int, conn: Connection, stack_file: str) ->
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent kills us
     os.dup2(2, 1)  # worker stdout (C level too) -> the parent's stderr
     sys.stdout = sys.stderr
-    for p in (_REPO_ROOT, _TEST_DIR):  # so `import fsdp_legacy` / `import test_foo` work
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    if _TEST_DIR not in sys.path:  # so `import fsdp_legacy` / `import test_foo` work, from any test folder
+        sys.path.insert(0, _TEST_DIR)
+    import repo_paths
+
+    repo_paths.put_on_sys_path()
     # SIGUSR1 dumps all Python stacks to a file the parent reads when we hang.
     stacks = open(stack_file, "w")  # a local keeps it open for the worker's lifetime
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)

@@ -13,9 +13,11 @@ import sys
 import pytest
 import torch
 
+import repo_paths
+
 pytestmark = pytest.mark.heavy  # whole programs in other processes: CI runs them after the README's tests
 
-SOAK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "soak.py")
+SOAK = str(repo_paths.TOOLS / "soak.py")
 
 
 def events(folder) -> list[dict]:

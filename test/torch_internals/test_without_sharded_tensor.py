@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent / "without_sharded_tensor"
+import repo_paths
+
+HERE = repo_paths.TEST_DIR / "without_sharded_tensor"
 
 
 def _free_port() -> int:

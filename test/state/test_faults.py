@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_checkpoint_safety import _save_rank_files
 
 import harness
 import models
+import repo_paths
 from fsdp_legacy import safetensors_format
 from fsdp_legacy.checkpoint import load_full_model, save_full_model
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint
@@ -38,11 +40,10 @@ from fsdp_legacy.handle import FlatParamHandle
 from fsdp_legacy.state import hf_checkpoint, peers
 from fsdp_utils import Config, build_ours, full_params
 from harness import RankError, run_on_ranks
-from test_checkpoint_safety import _save_rank_files
 
 CONFIG = Config("transformer", steps=1)
 DEADLINE = 90.0  # seconds a faulty save may take on every rank before the test calls it a hang
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(repo_paths.REPO)
 
 
 def snapshot(directory: str) -> dict[str, bytes]:

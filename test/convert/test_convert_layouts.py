@@ -23,16 +23,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
+from test_convert import _fsdp2_load, _fsdp2_model, _save_local, assert_same, without_layout
+from test_optim_state import adam, load_into_fsdp2, model_sd, osd, train
 
+import repo_paths
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint, detect_layout
 from fsdp_legacy.convert.loading import load_rank_file
 from fsdp_utils import Config, build_torch_fsdp
 from harness import run_on_ranks
-from test_convert import _fsdp2_load, _fsdp2_model, _save_local, assert_same, without_layout
-from test_optim_state import adam, load_into_fsdp2, model_sd, osd, train
 from torchrun import torchrun
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = repo_paths.REPO
 FULL, SHARDED = "FULL_STATE_DICT", "SHARDED_STATE_DICT"
 
 

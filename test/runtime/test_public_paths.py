@@ -4,7 +4,6 @@
 import ast
 import importlib
 import re
-from pathlib import Path
 from typing import Any
 
 import fsdp_legacy.checkpoint
@@ -14,8 +13,9 @@ import fsdp_legacy.state.checkpoint
 import fsdp_legacy.state.dcp_checkpoint
 import fsdp_legacy.state.hf_checkpoint
 import fsdp_legacy.state.rank_file
+import repo_paths
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = repo_paths.REPO
 
 
 def test_dcp_checkpoint_spellings_are_one_api() -> None:

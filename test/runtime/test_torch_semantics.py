@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
+from test_optim_semantics import nested_model
 from torch import nn
 
 import fsdp_legacy
 import models
 from fsdp_utils import Config, batch, build_ours, build_torch_fsdp, clean, loss_of
 from harness import run_on_ranks
-from test_optim_semantics import nested_model
 
 
 def outcome(fn: Any, *args: Any, **kwargs: Any) -> str:

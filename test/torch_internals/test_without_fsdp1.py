@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent / "without_fsdp1"
+import repo_paths
+
+HERE = repo_paths.TEST_DIR / "without_fsdp1"
 
 
 def _free_port() -> int:

@@ -5,13 +5,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from test_parity import _torch_fsdp_parity
 
 import models
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.buckets import ENV_VAR
 from fsdp_utils import Config, build_ours, full_params, loss_of
 from harness import run_on_ranks
-from test_parity import _torch_fsdp_parity
 
 BF16 = ("bfloat16", "float32", "bfloat16")
 FP16 = ("float16", "float16", "float16")

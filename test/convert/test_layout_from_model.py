@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from test_convert import _save_local, assert_same
 
 from fsdp_legacy.cli import main
 from fsdp_legacy.cli.common import UsageError
@@ -16,7 +17,6 @@ from fsdp_legacy.cli.model_layout import is_model_spec, layout_of_model
 from fsdp_legacy.convert import open_checkpoint
 from fsdp_utils import Config
 from harness import run_on_ranks
-from test_convert import _save_local, assert_same
 
 SPEC, WRAP = "models:Transformer", "models.TransformerBlock"
 

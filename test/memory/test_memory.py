@@ -7,13 +7,14 @@ import functools
 import gc
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import repo_paths
+
+sys.path.insert(0, str(repo_paths.TOOLS))
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import MixedPrecision, ShardingStrategy
 from fsdp_legacy.memory import Category, MemoryTracker, Phase

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as torch_dsd
+from test_optim_state import adam, train
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
@@ -25,7 +26,6 @@ import fsdp_legacy
 from fsdp_legacy import wrap as our_wrap
 from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of, switched_on
 from harness import run_on_ranks
-from test_optim_state import adam, train
 
 FSDP1_MODULES = (
     "torch.distributed.fsdp",
@@ -425,7 +425,6 @@ def _lazy(state: dict) -> dict:
 
 def _loads_tensor_likes_as_torch_does(use_orig_params: bool) -> None:
     import torch.distributed.fsdp as torch_fsdp
-
     from test_optim_state import osd, to_load
 
     config = Config("transformer", use_orig_params=use_orig_params)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as torch_dsd
+from test_optim_state import adam, train
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -18,7 +19,6 @@ import models
 from fsdp_legacy import checkpoint as our_dsd
 from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of
 from harness import run_on_ranks
-from test_optim_state import adam, train
 
 
 def _full_values(state: dict) -> dict:

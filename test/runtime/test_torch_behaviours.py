@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.distributed.fsdp.wrap as torch_wrap
+from test_optim_state import assert_same_osd, load_model, model_sd, osd, to_load
 from torch import nn
 
 import fsdp_legacy
@@ -29,7 +30,6 @@ from fsdp_legacy import wrap as our_wrap
 from fsdp_legacy.naming import clean_fqn
 from fsdp_utils import Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of
 from harness import run_on_ranks
-from test_optim_state import assert_same_osd, load_model, model_sd, osd, to_load
 
 FULL, SHARDED = "FULL_STATE_DICT", "SHARDED_STATE_DICT"
 LIBS = (fsdp_legacy, torch_fsdp)

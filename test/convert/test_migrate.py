@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import repo_paths
 from torchrun import free_port
 
 pytest.importorskip("libcst")
@@ -28,8 +29,8 @@ pytest.importorskip("libcst")
 from fsdp_legacy.cli import main as cli_main
 from fsdp_legacy.migrate.rewriter import migrate_source
 
-CORPUS = Path(__file__).resolve().parent / "migrate_corpus"
-REPO = Path(__file__).resolve().parent.parent
+CORPUS = repo_paths.TEST_DIR / "migrate_corpus"
+REPO = repo_paths.REPO
 
 
 def _fsdp1_names(tree: ast.AST) -> set[str]:

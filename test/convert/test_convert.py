@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as torch_fsdp
+from test_optim_state import adam, load_into_fsdp2, load_model, model_sd, osd, to_load, train
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 import fsdp_legacy
+import repo_paths
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint, open_checkpoint
 from fsdp_legacy.convert.checkpoint import Checkpoint, Path
 from fsdp_legacy.convert.dcp_files import write_dcp
@@ -28,9 +30,8 @@ from fsdp_legacy.convert.torch_file import write_torch_file
 from fsdp_legacy.state import dcp_checkpoint
 from fsdp_utils import MODELS, Config, build_ours, build_torch_fsdp
 from harness import run_on_ranks
-from test_optim_state import adam, load_into_fsdp2, load_model, model_sd, osd, to_load, train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(repo_paths.REPO)
 FULL, LOCAL = "FULL_STATE_DICT", "LOCAL_STATE_DICT"
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn.functional as F
+from test_tensor_parallel import Block, D, _close, _full, _mesh
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -24,20 +25,8 @@ import fsdp_legacy
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
-from test_tensor_parallel import _close, _full, _mesh
 
-V, D, H, S = 16, 8, 12, 4  # vocabulary, width, hidden, sequence: all split evenly over tp = 2
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, H)
-        self.down = nn.Linear(H, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
+V, S = 16, 4  # vocabulary and sequence (width D and hidden H are the MLP block's): all split evenly over tp = 2
 
 
 class LM(nn.Module):

@@ -3,7 +3,6 @@ parameters of FSDP over mesh["dp"]. The estimate (fake tensors, a fake 2 x 2 wor
 10% of the peak the tracker measures on 4 real gloo ranks at dp x tp = 2 x 2, per phase and rank."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import repo_paths
+
+sys.path.insert(0, str(repo_paths.TOOLS))
 from fsdp_legacy import MixedPrecision
 from fsdp_legacy.memory import Category, Phase, estimate_memory, profile_training
 from fsdp_legacy.wrap import ModuleWrapPolicy

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import repo_paths
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType
 from fsdp_legacy.convert import CheckpointError, FlatParamRecord, ParamRecord, convert_checkpoint, torch_file
@@ -25,7 +26,7 @@ from fsdp_legacy.convert.torch_file import TorchFile
 from fsdp_utils import Config, build_ours, full_params, layout_keys
 from harness import run_on_ranks
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(repo_paths.REPO)
 
 
 def record(world_size: int = 2, dtype: torch.dtype = torch.float32) -> FlatParamRecord:

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from test_optim_state import osd
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -22,7 +23,6 @@ import models
 from fsdp_legacy.state import state_dict as our_state_dict
 from fsdp_utils import MODELS, Config, assert_close, batch, build_ours, build_torch_fsdp, loss_of, optimizer
 from harness import run_on_ranks
-from test_optim_state import osd
 
 CONFIG = Config("transformer", policy="block")
 RECORD_SUFFIX = "_meta"  # fsdp_legacy's layout record beside each LOCAL flat parameter (docs/compatibility.md)

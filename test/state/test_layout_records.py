@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as torch_fsdp
+from test_convert import assert_same
+from test_optim_state import adam, load_model, model_sd, train
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import fsdp_legacy
@@ -28,8 +30,6 @@ from fsdp_legacy.convert.side_file import SIDE_FILE
 from fsdp_legacy.state import dcp_checkpoint
 from fsdp_utils import Config, build_ours, build_torch_fsdp, layout_keys
 from harness import run_on_ranks
-from test_convert import assert_same
-from test_optim_state import adam, load_model, model_sd, train
 
 FULL, LOCAL = "FULL_STATE_DICT", "LOCAL_STATE_DICT"
 CONFIGS = [Config("transformer", use_orig_params=uop) for uop in (False, True)]

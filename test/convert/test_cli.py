@@ -22,16 +22,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_optim_state import adam, model_sd, osd, train
 
 import fsdp_legacy
+import repo_paths
 from fsdp_legacy.cli import main
 from fsdp_legacy.convert import convert_checkpoint
 from fsdp_legacy.state import dcp_checkpoint
 from fsdp_utils import Config, build_ours
 from harness import run_on_ranks
-from test_optim_state import adam, model_sd, osd, train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = repo_paths.REPO
 CONFIG = Config("transformer")
 LOCAL, FULL = "LOCAL_STATE_DICT", "FULL_STATE_DICT"
 

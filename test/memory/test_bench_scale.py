@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
+import repo_paths
 from fsdp_legacy.cli.llama import PRESETS, Llama
 
 pytestmark = pytest.mark.heavy  # whole programs in other processes: CI runs them after the README's tests
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+TOOLS = str(repo_paths.TOOLS)
 FIELDS = {"impl", "preset", "layers", "world_size", "device", "peak_allocated_bytes", "peak_reserved_bytes"}
 FIELDS |= {"estimate_bytes", "step_s"}
 

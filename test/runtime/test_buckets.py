@@ -3,7 +3,6 @@ the same model with grouping off: fewer collectives, and bit for bit the same pa
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_legacy.collectives as comm
+import repo_paths
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import MixedPrecision, ShardingStrategy
 from fsdp_legacy.buckets import ENV_VAR, bucket_bytes_from_env
@@ -18,7 +18,7 @@ from fsdp_legacy.memory import Phase, estimate_memory, profile_training
 from fsdp_legacy.wrap import ModuleWrapPolicy
 from harness import run_on_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(repo_paths.TOOLS))
 from gpt import DeepMLP, MLPBlock
 
 

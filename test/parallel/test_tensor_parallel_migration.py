@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as torch_fsdp
+from test_tensor_parallel import Model, _batch, _build, _close, _full, _loss, _mesh
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -26,7 +27,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import fsdp_legacy.checkpoint as our_dsd
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from harness import run_on_ranks
-from test_tensor_parallel import Model, _batch, _build, _close, _full, _loss, _mesh
 
 LR = 0.01
 

@@ -4,13 +4,14 @@ pytest process, is within 10% of the peak the tracker measures on 2 real gloo ra
 import resource
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import repo_paths
+
+sys.path.insert(0, str(repo_paths.TOOLS))
 from fsdp_legacy import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_legacy.memory import Phase, estimate_memory, profile_training
 from fsdp_legacy.wrap import ModuleWrapPolicy
