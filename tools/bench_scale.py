@@ -132,10 +132,7 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
     tokens = args.batch[0] * args.batch[1]
     estimate = None
     if "ours" in args.impls and not args.no_estimate:
-        if args.sharding_strategy == "HYBRID_SHARD":
-            print("bench_scale: the estimator takes no device mesh: HYBRID_SHARD is measured, not estimated")
-        else:
-            estimate = run_rig(config(args, "estimate"))["estimate_bytes"]
+        estimate = run_rig(config(args, "estimate"))["estimate_bytes"]
     rows = []
     for impl in args.impls:
         result = run_rig(config(args, impl))

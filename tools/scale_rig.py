@@ -140,8 +140,9 @@ def materialiser(model: torch.nn.Module, device: torch.device) -> Any:
     return init
 
 
-def fsdp1_kwargs(cfg: RigConfig, device: torch.device) -> dict[str, Any]:
-    """The FSDP1 options, the same objects for ours and torch's (ours accepts torch's configs)."""
+def fsdp1_kwargs(cfg: RigConfig, device: torch.device, mesh: bool = True) -> dict[str, Any]:
+    """The FSDP1 options, the same objects for ours and torch's (ours accepts torch's configs); HYBRID_SHARD's mesh
+    unless `mesh` is False (the estimator makes its own, in its fake world)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 
@@ -158,7 +159,7 @@ def fsdp1_kwargs(cfg: RigConfig, device: torch.device) -> dict[str, Any]:
         kwargs["mixed_precision"] = MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
     if cfg.cpu_offload:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
-    if cfg.sharding == "HYBRID_SHARD":
+    if cfg.sharding == "HYBRID_SHARD" and mesh:
         kwargs["device_mesh"] = init_device_mesh(device.type, hybrid_shape(cfg), mesh_dim_names=("replicate", "shard"))
     return kwargs
 
@@ -279,7 +280,7 @@ def estimate(cfg: RigConfig) -> int:
         ids = torch.randint(0, PRESETS[cfg.preset].vocab_size, cfg.batch, device=device)
         return next_token_loss(model(ids), ids)
 
-    kwargs = fsdp1_kwargs(cfg, device)  # (HYBRID_SHARD is not estimated: no mesh is made here)
+    kwargs = fsdp1_kwargs(cfg, device, mesh=False)
     profile = estimate_memory(
         partial(build_model, cfg, device),
         loss_fn,
@@ -288,6 +289,7 @@ def estimate(cfg: RigConfig) -> int:
         lambda p: torch.optim.AdamW(p, lr=1e-4),
         steps=2,
         rank=cfg.rank,
+        hybrid_shape=hybrid_shape(cfg) if cfg.sharding == "HYBRID_SHARD" else None,
     )
     return profile.peak()
 

@@ -81,6 +81,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=_batch, help="BATCHxSEQ, e.g. 4x2048 (default: the model's, 1x2048 for --module)")
     p.add_argument("--world-sizes", type=_world_sizes, default=[1, 2, 8, 64], help="comma-separated (default 1,2,8,64)")
     p.add_argument("--sharding-strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy])
+    p.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=8,
+        help="HYBRID_SHARD: ranks per shard group, a node (default 8; all ranks for a smaller world)",
+    )
     p.add_argument("--mixed-precision", default="fp32", choices=list(PRECISIONS))
     p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
     p.add_argument("--use-orig-params", action="store_true", help="use_orig_params=True (implied by --qlora)")
@@ -108,6 +114,19 @@ def _batch(text: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
         raise argparse.ArgumentTypeError(f"{text!r} is not BATCHxSEQ, e.g. 4x2048")
     return int(parts[0]), int(parts[1])
+
+
+def hybrid_shape(args: argparse.Namespace, world_size: int) -> tuple[int, int] | None:
+    """(replicas, shard group size) of a hybrid strategy's mesh at this world size, as init_device_mesh takes it."""
+    if args.sharding_strategy not in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        return None
+    shard = min(args.shard_group_size, world_size)
+    if shard < 1 or world_size % shard:
+        raise UsageError(
+            f"--shard-group-size {args.shard_group_size} does not divide world size {world_size}: hybrid sharding "
+            "replicates whole shard groups (choose a size that divides every --world-sizes value)."
+        )
+    return world_size // shard, shard
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -341,9 +360,10 @@ def run(args: argparse.Namespace) -> int:
         )
         if on
     ]
+    hybrid = args.sharding_strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
     setup = ", ".join(
         [
-            args.sharding_strategy,
+            args.sharding_strategy + (f" (shard groups of {args.shard_group_size})" if hybrid else ""),
             args.mixed_precision,
             *extras,
             args.optimizer,
@@ -357,7 +377,13 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():  # e.g. FSDP's "switching to NO_SHARD" at world size 1
             warnings.simplefilter("ignore")
             profiles[ws] = estimate_memory(
-                work.build, loss_fn(work), ws, fsdp_kwargs(args, work), OPTIMIZERS[args.optimizer], args.steps
+                work.build,
+                loss_fn(work),
+                ws,
+                fsdp_kwargs(args, work),
+                OPTIMIZERS[args.optimizer],
+                args.steps,
+                hybrid_shape=hybrid_shape(args, ws),
             )
         seconds[ws] = time.perf_counter() - start
     if args.json:

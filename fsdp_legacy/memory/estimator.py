@@ -28,6 +28,7 @@ def estimate_memory(
     steps: int = 2,
     rank: int = 0,
     mesh_shape: tuple[int, int] | None = None,
+    hybrid_shape: tuple[int, int] | None = None,
 ) -> MemoryProfile:
     """Predict rank `rank`'s peak memory per phase when `build()`'s model is trained with FSDP(**fsdp_kwargs) on
     `world_size` ranks, `loss_fn(model, step)` making each step's batch and loss. Nothing real is allocated: a 7B
@@ -35,9 +36,17 @@ def estimate_memory(
 
     Tensor parallelism (torch's 2-D recipe): with `mesh_shape=(dp, tp)` a ("dp", "tp") mesh is made over the fake
     world, `build(mesh)` gets it (to parallelize its modules over mesh["tp"]) and FSDP gets device_mesh=mesh["dp"].
+
+    Hybrid sharding: with `hybrid_shape=(replicas, shard)` a ("replicate", "shard") mesh is made over the fake world and
+    FSDP gets it as device_mesh (pass sharding_strategy=HYBRID_SHARD or _HYBRID_SHARD_ZERO2 in fsdp_kwargs), as a
+    job builds it with init_device_mesh.
     """
     if mesh_shape is not None and (len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] != world_size):
         raise ValueError(f"mesh_shape={mesh_shape} must be (dp, tp) with dp * tp = world_size = {world_size}.")
+    if hybrid_shape is not None and (len(hybrid_shape) != 2 or hybrid_shape[0] * hybrid_shape[1] != world_size):
+        raise ValueError(f"hybrid_shape={hybrid_shape} must be (replicas, shard) with their product = {world_size}.")
+    if hybrid_shape is not None and mesh_shape is not None:
+        raise ValueError("hybrid_shape and mesh_shape (tensor parallelism) are not estimated together.")
     if mesh_shape is not None and len(inspect.signature(build).parameters) != 1:
         raise TypeError("With mesh_shape, build takes the 2-D device mesh: build(mesh) -> model.")
     with fake_process_group(world_size, rank):
@@ -46,5 +55,7 @@ def estimate_memory(
         if mesh_shape is not None:  # (made outside FakeTensorMode: a mesh holds real rank tensors)
             mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
             args, kwargs["device_mesh"] = (mesh,), mesh["dp"]
+        if hybrid_shape is not None:
+            kwargs["device_mesh"] = init_device_mesh("cpu", hybrid_shape, mesh_dim_names=("replicate", "shard"))
         with FakeTensorMode():
             return profile_training(build(*args), loss_fn, kwargs, optimizer_fn, steps)

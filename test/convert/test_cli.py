@@ -293,6 +293,24 @@ def test_mem_report_equals_the_estimator() -> None:
     assert plan["units"] == counts and plan["parameters"] == sum(p.numel() for p in GPT(config).parameters())
 
 
+def test_mem_report_of_hybrid_sharding() -> None:
+    """HYBRID_SHARD over 4 ranks in shard groups of 2 holds what FULL_SHARD over 2 ranks holds, plus the buffers of the
+    all-reduce across the replicas: its peak is FULL_SHARD's at 2 ranks (within 5%), above FULL_SHARD's at 4; a shard
+    group size that does not divide the world size is refused."""
+    common = ["mem-report", "--model", "gpt-small", "--batch", "2x64", "--json", "--quiet"]
+
+    def peaks(*args: str) -> dict[int, int]:
+        done = command(*common, *args)
+        assert done.returncode == 0, done.stderr
+        return {e["world_size"]: e["peak_bytes"]["peak"] for e in json.loads(done.stdout)["estimates"]}
+
+    hybrid = peaks("--world-sizes", "4", "--sharding-strategy", "HYBRID_SHARD", "--shard-group-size", "2")[4]
+    full = peaks("--world-sizes", "2,4")
+    assert abs(hybrid - full[2]) <= 0.05 * full[2] and hybrid > full[4], (hybrid, full)
+    refused = command(*common, "--world-sizes", "6", "--sharding-strategy", "HYBRID_SHARD", "--shard-group-size", "4")
+    assert refused.returncode == 2 and "--shard-group-size 4 does not divide world size 6" in refused.stderr
+
+
 def test_mem_report_of_a_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """--module pkg:factory --wrap pkg.Class from the current directory: the plan's units are the model's, the peak
     per rank falls with the world size; without --wrap the error says what to add."""

@@ -57,6 +57,27 @@ def test_estimate_within_10_percent_of_measured(name: str) -> None:
             assert abs(guess - real) <= TOLERANCE * real, f"{phase} rank {rank}: predicted {guess}, measured {real}"
 
 
+def _measure_hybrid(strategy: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(dist.get_rank())
+    options = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy])
+    return profile_training(GPT(SMALL), gpt_loss, dict(options, device_mesh=mesh), adam)
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+def test_hybrid_estimate_within_10_percent_of_measured(strategy: str) -> None:
+    """4 ranks as 2 replicas of shard groups of 2 (a 2-D mesh), measured on real gloo ranks and estimated."""
+    measured = run_on_ranks(_measure_hybrid, 4, strategy)
+    options = dict(auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy])
+    predicted = estimate_memory(lambda: GPT(SMALL), gpt_loss, 4, options, adam, hybrid_shape=(2, 2))
+    for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, None):
+        for rank, profile in enumerate(measured):
+            real, guess = profile.peak(phase), predicted.peak(phase)
+            assert abs(guess - real) <= TOLERANCE * real, f"{phase} rank {rank}: predicted {guess}, measured {real}"
+
+
 def test_estimate_allocates_nothing() -> None:
     """A GPT of 1.2 B parameters on 8 ranks: the prediction exceeds a GiB per rank, the process grows far less."""
     big = GPTConfig(vocab_size=32000, block_size=512, n_layer=24, n_head=16, d_model=2048)
