@@ -139,7 +139,16 @@ def _local_state_by_fqn(entries: list[tuple[int, _Entry]], state: dict[int, dict
     return result
 
 
-def _global_specs(local: dict[str, dict[str, Any]], group: dist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
+def _raise_first(errors: list[str | None]) -> None:
+    """The first rank's error, raised alike on every rank that saw the list."""
+    for error in errors:
+        if error is not None:
+            raise ValueError(error)
+
+
+def _global_specs(
+    local: dict[str, dict[str, Any]], group: dist.ProcessGroup | None, error: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Per FQN and state name, across ranks: the dtype of a sharded state, or the value of a scalar one.
 
     Ranks can lack a parameter's state (use_orig_params=True, no local elements); they still have to join the gathers
@@ -150,9 +159,12 @@ def _global_specs(local: dict[str, dict[str, Any]], group: dist.ProcessGroup | N
         for fqn, values in local.items()
     }
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        _raise_first([error])
         return mine
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, (mine, error), group=group)
+    _raise_first([e for _, e in everyone])
+    everyone = [specs for specs, _ in everyone]
     merged: dict[str, dict[str, Any]] = {}
     for specs in everyone:
         for fqn, names in specs.items():
@@ -196,14 +208,19 @@ class OptimSavePlan:
     entries: list[tuple[int, _Entry]]
     units: list[tuple[FSDPUnit, FlatParamHandle, list[tuple[ParamInfo, str]]]]
     uses_orig_params: bool
+    error: str | None = None  # this rank's dict could not be read: every rank raises it at the first exchange
 
 
 def plan_optim_save(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any] | None) -> OptimSavePlan:
     osd = optim.state_dict() if osd is None else osd
     entries = _entries(model, optim)
+    error = None
     if keyed_by_name(osd):  # a named optimizer (_NamedOptimizer, torchrec's): saved as if keyed by ids
-        osd = by_param_ids(model, [param for group in optim.param_groups for param in group["params"]], osd)
-    return OptimSavePlan(osd, entries, _handles_in_model_order(model), _uses_orig_params(model))
+        try:
+            osd = by_param_ids(model, [param for group in optim.param_groups for param in group["params"]], osd)
+        except ValueError as failure:  # raised on every rank at the first exchange, not here alone (no hang)
+            osd, error = {"state": {}, "param_groups": []}, str(failure)
+    return OptimSavePlan(osd, entries, _handles_in_model_order(model), _uses_orig_params(model), error)
 
 
 @torch.no_grad()
@@ -229,9 +246,9 @@ def build_optim_state(
     """The saved dict; `unit_groups` maps a unit's group to the one its gathers use instead (a background save's own,
     whose gathers then run on the CPU, where the copies of the plan's state are)."""
     osd, entries = plan.osd, plan.entries
-    rank0_keys = None if plan.uses_orig_params else _check_rank0_states(entries, osd["state"], group)
+    rank0_keys = None if plan.uses_orig_params else _check_rank0_states(entries, osd["state"], group, plan.error)
     local = _local_state_by_fqn(entries, osd["state"])
-    specs = _global_specs(local, group)
+    specs = _global_specs(local, group, plan.error if plan.uses_orig_params else None)
     rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank(group) == 0
     full = kind == StateDictType.FULL_STATE_DICT
@@ -274,15 +291,19 @@ def _uses_orig_params(model: nn.Module) -> bool:
 
 
 def _check_rank0_states(
-    entries: list[tuple[int, _Entry]], state: dict[Any, Any], group: dist.ProcessGroup | None
+    entries: list[tuple[int, _Entry]], state: dict[Any, Any], group: dist.ProcessGroup | None, error: str | None
 ) -> list[tuple[str, ...]] | None:
     """With flat parameters torch takes rank 0's list of states as the one every rank gathers; a rank lacking one of
-    them would skip a gather and hang the others, so every rank raises torch's RuntimeError instead."""
+    them would skip a gather and hang the others, so every rank raises torch's RuntimeError instead. (A rank's
+    `error` travels with the list: every rank raises it.)"""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        _raise_first([error])
         return None
     held = [entry.fqns for key, (_, entry) in enumerate(entries) if key in state]
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, held, group=group)
+    dist.all_gather_object(everyone, (held, error), group=group)
+    _raise_first([e for _, e in everyone])
+    everyone = [h for h, _ in everyone]
     missing = [[fqns for fqns in everyone[0] if fqns not in set(mine)] for mine in everyone]
     if any(missing):  # torch's message, word for word
         raise RuntimeError(

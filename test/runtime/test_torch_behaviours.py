@@ -296,6 +296,30 @@ def test_named_optimizer_with_rank_dependent_sparse_part_as_torch(uop: bool, how
     run_on_ranks(_named_optimizer, 2, uop, how)
 
 
+def _unknown_name_on_one_rank(uop: bool) -> str:
+    from torch.distributed.optim.named_optimizer import _NamedOptimizer
+
+    model = _recommender(fsdp_legacy, uop, "dense")
+    optim: Any = _NamedOptimizer(model.named_parameters(), torch.optim.Adam, lr=0.01)
+    step(model, optim, _recommender_loss(model, 0))
+    state = optim.state_dict()
+    if dist.get_rank() == 1:  # a name no parameter has, on one rank only
+        state["state"]["no.such.weight"] = next(iter(state["state"].values()))
+    with pytest.raises(ValueError, match="name no parameter the optimizer holds") as raised:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with fsdp_legacy.FullyShardedDataParallel.state_dict_type(model, fsdp_legacy.StateDictType[SHARDED]):
+                fsdp_legacy.FullyShardedDataParallel.optim_state_dict(model, optim, optim_state_dict=state)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("uop", [False, True], ids=["flat", "uop"])
+def test_a_named_optimizer_dict_wrong_on_one_rank_raises_on_every_rank(uop: bool) -> None:
+    """Bad input on one rank is an error on every rank (the same message), never a wait for the rank that raised."""
+    messages = run_on_ranks(_unknown_name_on_one_rank, 2, uop, timeout=60)
+    assert messages[0] == messages[1] and "no.such.weight" in messages[0]
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Gradients after summon_full_params
 
