@@ -1,13 +1,17 @@
-"""What the subcommands share: exit codes, one-line errors, path checks and progress bars."""
+"""What the subcommands share: exit codes, one-line errors, path checks, progress bars and importing the user's
+model code."""
 
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import sys
 import zipfile
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
+
+from torch import nn
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a checkpoint that cannot be read or converted (damaged, refused, incomplete)
@@ -97,3 +101,27 @@ class ByteProgress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def import_name(module: str, name: str, what: str) -> Any:
+    """`module.name` of the user's code, imported from the current directory as `python -m` would (`what`: the
+    option that named it, for the error)."""
+    if os.getcwd() not in sys.path:  # as `python -m` would: the user's package from where they run the command
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as error:
+        raise UsageError(f"{what}: cannot import {module} ({error}); run from the directory that holds it.") from None
+    except AttributeError:
+        raise UsageError(f"{what}: {module} has no {name}.") from None
+
+
+def module_class(dotted: str) -> type[nn.Module]:
+    """The nn.Module class a dotted --wrap names (mypkg.models.Layer)."""
+    module, _, name = dotted.rpartition(".")
+    if not module:
+        raise UsageError(f"--wrap {dotted}: give the class with its module, e.g. mypkg.models.{dotted}.")
+    found = import_name(module, name, f"--wrap {dotted}")
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise UsageError(f"--wrap {dotted} is not an nn.Module class.")
+    return found

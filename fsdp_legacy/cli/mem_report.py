@@ -4,10 +4,7 @@ world size, before a run is launched."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -23,7 +20,7 @@ from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..memory import Category, MemoryProfile, Phase, estimate_memory
 from ..memory.table import markdown, unit_for
 from ..wrap import ModuleWrapPolicy
-from .common import EXIT_CODES, EXIT_OK, UsageError, progress
+from .common import EXIT_CODES, EXIT_OK, UsageError, import_name, module_class, progress
 from .gpt import CONFIGS, GPT, Block
 from .llama import PRESETS, DecoderLayer, Llama
 from .qlora import to_qlora
@@ -153,10 +150,10 @@ def workload(args: argparse.Namespace) -> Workload:
                 "transformer layer, e.g. mypkg.models.Layer)."
             )
         path, _, factory = args.module.partition(":")
-        build = _resolve(path, factory or "build", f"--module {args.module}")
+        build = import_name(path, factory or "build", f"--module {args.module}")
         if not callable(build):
             raise UsageError(f"--module {args.module}: {factory or 'build'} is not a function returning a model.")
-        return Workload(args.module, build, _class(args.wrap), args.vocab_size, args.batch or (1, 2048))
+        return Workload(args.module, build, module_class(args.wrap), args.vocab_size, args.batch or (1, 2048))
     if args.layers is not None and (args.module or args.model not in PRESETS):
         raise UsageError(f"--layers {args.layers}: only for the Llama presets ({', '.join(PRESETS)}).")
     if args.model in PRESETS:
@@ -164,13 +161,13 @@ def workload(args: argparse.Namespace) -> Workload:
             llama = PRESETS[args.model].with_layers(args.layers)
         except ValueError as error:
             raise UsageError(str(error)) from None
-        unit = _class(args.wrap) if args.wrap else DecoderLayer
+        unit = module_class(args.wrap) if args.wrap else DecoderLayer
         return Workload(args.model, lambda: Llama(llama), unit, llama.vocab_size, args.batch or (1, 2048))
     config, batch = CONFIGS[args.model]
     batch = args.batch or batch
     if batch[1] > config.block_size:
         raise UsageError(f"--batch {batch[0]}x{batch[1]}: {args.model} takes sequences of at most {config.block_size}.")
-    unit = _class(args.wrap) if args.wrap else Block
+    unit = module_class(args.wrap) if args.wrap else Block
     return Workload(args.model, lambda: GPT(config), unit, config.vocab_size, batch)
 
 
@@ -191,27 +188,6 @@ def with_training_setup(args: argparse.Namespace, work: Workload) -> Workload:
         return model
 
     return Workload(work.name, build, work.unit, work.vocab_size, work.batch)
-
-
-def _resolve(module: str, name: str, what: str) -> Any:
-    if os.getcwd() not in sys.path:  # as `python -m` would: the user's package from where they run the command
-        sys.path.insert(0, os.getcwd())
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError as error:
-        raise UsageError(f"{what}: cannot import {module} ({error}); run from the directory that holds it.") from None
-    except AttributeError:
-        raise UsageError(f"{what}: {module} has no {name}.") from None
-
-
-def _class(dotted: str) -> type[nn.Module]:
-    module, _, name = dotted.rpartition(".")
-    if not module:
-        raise UsageError(f"--wrap {dotted}: give the class with its module, e.g. mypkg.models.{dotted}.")
-    found = _resolve(module, name, f"--wrap {dotted}")
-    if not (isinstance(found, type) and issubclass(found, nn.Module)):
-        raise UsageError(f"--wrap {dotted} is not an nn.Module class.")
-    return found
 
 
 def loss_fn(work: Workload) -> Callable[[nn.Module, int], torch.Tensor]:

@@ -20,8 +20,7 @@ from ..memory.fake_world import fake_process_group
 from ..state.state_dict import clean_key
 from ..unit import FSDPUnit
 from ..wrap import ModuleWrapPolicy
-from .common import UsageError
-from .mem_report import _class, _resolve
+from .common import UsageError, import_name, module_class
 
 FAKE_WORLD = 2  # any size above 1 (one rank is NO_SHARD); the converter lays the records out at the checkpoint's
 
@@ -41,10 +40,10 @@ def layout_of_model(spec: str, wrap: str | None, use_orig_params: bool) -> dict[
             "transformer layer, e.g. mypkg.models.Layer), as when the checkpoint was saved."
         )
     module, _, factory = spec.partition(":")
-    build = _resolve(module, factory, f"--layout-from {spec}")
+    build = import_name(module, factory, f"--layout-from {spec}")
     if not callable(build):
         raise UsageError(f"--layout-from {spec}: {factory} is not a function returning a model.")
-    unit_class = _class(wrap)
+    unit_class = module_class(wrap)
     with fake_process_group(FAKE_WORLD), FakeTensorMode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = FullyShardedDataParallel(

@@ -11,6 +11,13 @@
     dcp_checkpoint.py         dcp.save / dcp.load plus layout records, save id, CRC-32s: fsdp_legacy.dcp_checkpoint
     save_identity.py          the identity that tells per-rank files of two saves apart
     hf_checkpoint.py          streamed full-model save/load as Hugging Face safetensors shards
+    peers.py                  ranks that agree on a streamed save's or load's outcome through rank 0
+    async_save.py             saves in the background (DCP, SHARDED from copies, full weights): AsyncSave
+    background_state.py       SHARDED model and optimizer state dicts built from copies, away from training
+    latest.py                 the newest complete checkpoint under a folder, agreed by every rank
+    partial_load.py           a DCP load that would leave a section of the checkpoint behind is an error
+    fresh_optim.py            a fresh optimizer's state dict as a load target: warned about
+    rank_file.py              one rank's torch.save LOCAL/SHARDED file read back without running pickled code
 
 Every module here works on units (unit.py) and their handles (handle.py); fully_sharded_data_parallel.py assembles
 the public methods from them. The offline converter (convert/) reads the same files without any model code; the
