@@ -59,6 +59,7 @@ class _Parts:
     notes: list[str] = field(default_factory=list)
     buffer_dtype: str | None = None  # FSDP1's MixedPrecision.buffer_dtype, cast explicitly after sharding
     ignored: str | None = None  # ignored_modules' code
+    ignored_params: str | None = None  # ignored_states' parameters, as code
     param_init_fn: str | None = None
     sync: bool = False  # sync_module_states=True
 
@@ -122,6 +123,11 @@ def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolv
             parts.sync = bool(_literal_bool(value))
         elif name == "ignored_modules":
             parts.ignored = code(value)
+        elif name == "ignored_states":  # FSDP1 takes modules or parameters there; which, is known at run time
+            parts.pre.append(f"fsdp_ignored_states = list({code(value)})")
+            parts.ignored = "[s for s in fsdp_ignored_states if isinstance(s, torch.nn.Module)]"
+            parts.ignored_params = "{s for s in fsdp_ignored_states if isinstance(s, torch.nn.Parameter)}"
+            out.imports.append(("torch", None))
         elif name == "param_init_fn":
             parts.param_init_fn = code(value)
         elif name in _DROPPED:
@@ -240,7 +246,8 @@ def _units(
     if parts.ignored is not None:
         # FSDP1 never wraps an ignored module (nor anything inside it), whatever the policy says.
         parts.pre.append(f"fsdp_ignored = {{m for top in {parts.ignored} for m in top.modules()}}")
-        parts.kwargs["ignored_params"] = "{p for m in fsdp_ignored for p in m.parameters()}"
+        ignored = "{p for m in fsdp_ignored for p in m.parameters()}"
+        parts.kwargs["ignored_params"] = ignored + (f" | {parts.ignored_params}" if parts.ignored_params else "")
         skip = " and module not in fsdp_ignored"
     kwargs = ", **fsdp_kwargs" if parts.kwargs else ""
     if classes is None:
@@ -268,6 +275,8 @@ def _through_runtime(
         )
     if parts.sync:
         parts.notes.append("sync_module_states: each unit is broadcast from rank 0 before it is sharded")
+    if parts.ignored_params:  # (apply_fully_shard adds the ignored modules' own)
+        parts.kwargs["ignored_params"] = parts.ignored_params
     extra = [f"ignored_modules={parts.ignored}"] if parts.ignored is not None else []
     extra += [f"param_init_fn={parts.param_init_fn}"] if parts.param_init_fn is not None else []
     extra += ["sync_module_states=True"] if parts.sync else []

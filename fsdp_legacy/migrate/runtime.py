@@ -112,10 +112,12 @@ def apply_fully_shard(
     use fully_shard's names. Each unit is first materialized from the meta device and synced from rank 0 as FSDP1
     does with `param_init_fn` and `sync_module_states`. Returns `model`."""
     ignored = {m for top in ignored_modules for m in top.modules()}
-    ignored_params = {p for m in ignored for p in m.parameters()}
     kwargs = dict(fully_shard_kwargs)
+    # The ignored modules' parameters and any given (FSDP1's ignored_states of parameters): left out of every unit,
+    # and out of the sizes a policy weighs, as FSDP1 leaves them.
+    ignored_params = {p for m in ignored for p in m.parameters()} | set(kwargs.get("ignored_params") or ())
     if ignored_params:
-        kwargs["ignored_params"] = ignored_params | set(kwargs.get("ignored_params") or ())
+        kwargs["ignored_params"] = ignored_params
     shard = _shard_in_place(param_init_fn, sync_module_states, ignored)
     if auto_wrap_policy is not None:
         with warnings.catch_warnings():

@@ -119,16 +119,50 @@ def test_policy_units_match_fsdp1(ranks: Any, name: str, policy: str) -> None:
     assert fsdp2 == fsdp1
 
 
+@pytest.mark.parametrize("keyword", ["ignored_modules", "ignored_states"])
 @pytest.mark.parametrize("name", ["module_wrap", "size_based"])
-def test_ignored_modules_are_not_units(ranks: Any, name: str) -> None:
-    """FSDP1 never wraps an ignored module, even one of the policy's classes; nor may the migrated code shard it."""
+def test_ignored_modules_are_not_units(ranks: Any, name: str, keyword: str) -> None:
+    """FSDP1 never wraps an ignored module, even one of the policy's classes; nor may the migrated code shard it.
+    (ignored_states=[modules] is ignored_modules.)"""
     policy = dict(_POLICIES)[name]
-    source = _MODEL.replace("POLICY", policy).replace("device_id=", "ignored_modules=[model[1]], device_id=")
+    source = _MODEL.replace("POLICY", policy).replace("device_id=", f"{keyword}=[model[1]], device_id=")
     result = migrate_source(source)
     assert result.findings == [], result.findings
     fsdp1, fsdp2 = ranks(_unit_names, 2, source, result.migrated)[0]
     assert "1" not in fsdp1 and len(fsdp1) > 1, fsdp1
     assert fsdp2 == fsdp1
+
+
+def _plain_params(fsdp1_source: str, migrated_source: str) -> tuple[list[str], list[str]]:
+    """On a rank: the parameters left unsharded, full size, by torch's FSDP1 and by the migrated code."""
+    from torch.distributed.tensor import DTensor
+
+    before: dict[str, Any] = {}
+    exec(compile(fsdp1_source, "fsdp1.py", "exec"), before)
+    fsdp1 = sorted(
+        name.replace("_fsdp_wrapped_module.", "")
+        for name, p in before["build"]().named_parameters()
+        if not name.endswith("_flat_param")
+    )
+    after: dict[str, Any] = {}
+    exec(compile(migrated_source, "fsdp2.py", "exec"), after)
+    fsdp2 = sorted(name for name, p in after["build"]().named_parameters() if not isinstance(p, DTensor))
+    return fsdp1, fsdp2
+
+
+@pytest.mark.parametrize("name", ["module_wrap", "size_based"])
+def test_ignored_states_of_parameters_stay_unsharded(ranks: Any, name: str) -> None:
+    """ignored_states=[parameters]: FSDP1 leaves them out of its flat parameters, FSDP2 out of its DTensors."""
+    policy = dict(_POLICIES)[name]
+    ignored = "ignored_states=[model[2].weight, model[3].bias], device_id="
+    source = _MODEL.replace("POLICY", policy).replace("device_id=", ignored)
+    result = migrate_source(source)
+    assert result.findings == [], result.findings
+    assert "ignored_params" in result.migrated
+    fsdp1, fsdp2 = ranks(_plain_params, 2, source, result.migrated)[0]
+    assert fsdp1 == ["2.weight", "3.bias"] and fsdp2 == fsdp1
+    units = ranks(_unit_names, 2, source, result.migrated)[0]
+    assert units[1] == units[0]
 
 
 def _initial_params(fsdp1_source: str, migrated_source: str) -> tuple[dict[str, Any], dict[str, Any]]:
