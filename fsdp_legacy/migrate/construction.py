@@ -101,7 +101,7 @@ def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolv
         parts.pre.append(f"{target} = {model}")
         model = target
     policy: cst.BaseExpression | None = None
-    strategy, mesh = None, None
+    strategy, mesh, group = None, None, None
     for arg in call.args[1:]:
         if arg.keyword is None or arg.star:
             out.problems.append(Problem(arg, "FSDP(...) with positional or ** arguments", *_UNMAPPED))
@@ -115,6 +115,8 @@ def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolv
                 out.problems.append(Problem(arg, "a sharding_strategy computed at run time", *_UNMAPPED))
         elif name == "device_mesh":
             mesh = code(value)
+        elif name == "process_group":
+            group = arg
         elif name == "mixed_precision":
             _mixed_precision(resolve(value), value, code, fsdp1, parts, out)
         elif name == "cpu_offload":
@@ -135,6 +137,18 @@ def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolv
         else:
             why = "FSDP2 has no such argument and this tool does not map it yet"
             out.problems.append(Problem(arg, f"FSDP(..., {name}=...)", why, _UNMAPPED[1]))
+    if group is not None:
+        kind = (strategy or "ShardingStrategy.FULL_SHARD").split(".", 1)[-1]
+        if kind not in ("FULL_SHARD", "SHARD_GRAD_OP") or mesh is not None:
+            why = "a process group (or pair of groups) for hybrid sharding, NO_SHARD or beside a device_mesh"
+            fix = "build the 2-D mesh with init_device_mesh (or DeviceMesh.from_group) and pass it as mesh="
+            out.problems.append(Problem(group, "FSDP(..., process_group=...)", why, fix))
+        else:  # the ranks it shards over, as a 1-D mesh
+            parts.pre.append(
+                f'mesh = DeviceMesh.from_group({code(group.value)}, "cuda" if torch.cuda.is_available() else "cpu")'
+            )
+            mesh = "mesh"
+            out.imports += [("torch.distributed.device_mesh", "DeviceMesh"), ("torch", None)]
     if out.problems:
         return out
     _strategy(strategy, mesh, parts, out)

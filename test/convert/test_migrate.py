@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import repo_paths
@@ -163,6 +164,36 @@ def test_ignored_states_of_parameters_stay_unsharded(ranks: Any, name: str) -> N
     assert fsdp1 == ["2.weight", "3.bias"] and fsdp2 == fsdp1
     units = ranks(_unit_names, 2, source, result.migrated)[0]
     assert units[1] == units[0]
+
+
+def _meshes(fsdp1_source: str, migrated_source: str) -> tuple[list[int], set[tuple[int, ...]], list[str], list[str]]:
+    """On a rank: the ranks of FSDP1's process group, those of every FSDP2 parameter's mesh, and both unit lists."""
+    from torch.distributed.tensor import DTensor
+
+    before: dict[str, Any] = {}
+    exec(compile(fsdp1_source, "fsdp1.py", "exec"), before)
+    wrapped = before["build"]()
+    group = dist.get_process_group_ranks(wrapped.process_group)
+    after: dict[str, Any] = {}
+    exec(compile(migrated_source, "fsdp2.py", "exec"), after)
+    sharded = after["build"]()
+    meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in sharded.parameters() if isinstance(p, DTensor)}
+    return group, meshes, *_unit_names(fsdp1_source, migrated_source)
+
+
+def test_a_process_group_becomes_the_mesh_of_its_ranks(ranks: Any) -> None:
+    """FSDP(..., process_group=pair) on 4 ranks shards within each pair of ranks; the migrated code's mesh is the
+    pair."""
+    group = "process_group=dist.new_subgroups(2)[0], device_id="
+    source = _MODEL.replace("POLICY", "ModuleWrapPolicy({Block})").replace("device_id=", group)
+    source = source.replace("import torch\n", "import torch\nimport torch.distributed as dist\n", 1)
+    result = migrate_source(source)
+    assert result.findings == [], result.findings
+    assert "DeviceMesh.from_group(" in result.migrated
+    for rank, (fsdp1_group, meshes, fsdp1_units, fsdp2_units) in enumerate(ranks(_meshes, 4, source, result.migrated)):
+        assert fsdp1_group == ([0, 1] if rank < 2 else [2, 3])
+        assert meshes == {tuple(fsdp1_group)}
+        assert fsdp2_units == fsdp1_units
 
 
 def _initial_params(fsdp1_source: str, migrated_source: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -454,11 +485,11 @@ def test_full_params_shows_what_fsdp1_summon_shows(ranks: Any) -> None:
 
 _UNMAPPABLE = """
 import torch
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
 
 def run(net, optim, strategy):
     model = FSDP(net, sharding_strategy=strategy)  # <- computed strategy
-    other = FSDP(net.head, process_group=net.group)  # <- process_group
+    other = FSDP(net.head, process_group=net.groups, sharding_strategy=ShardingStrategy.HYBRID_SHARD)  # <- hybrid
     with FSDP.summon_full_params(model, writeback=True):  # <- summon
         model.weight.zero_()
     with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):  # <- local
