@@ -371,6 +371,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
 
     # -- calls ---------------------------------------------------------------------------------------------------
 
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
+        """`model.module`, FSDP1's wrapped module, is the model itself under FSDP2."""
+        if original.attr.value == "module" and self.code(original.value) in self.survey.models:
+            self.consumed.add(original)
+            return updated.value
+        return updated
+
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, original.func, set())}
         if f"{RUNTIME}.apply_fully_shard" in qualified and len(original.args) > 1:

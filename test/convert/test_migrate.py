@@ -521,6 +521,27 @@ def test_unmappable_constructs_are_reported_and_kept(tmp_path: Path, capsys: pyt
     assert "FSDP.summon_full_params" in path.read_text()
 
 
+def _inner_module(fsdp1_source: str, migrated_source: str) -> list[tuple[bool, list[str]]]:
+    """On a rank: what `model.module` is (an nn.Sequential? its children) in the FSDP1 program and the migrated one."""
+    seen = []
+    for source in (fsdp1_source, migrated_source):
+        scope: dict[str, Any] = {}
+        exec(compile(source, "program.py", "exec"), scope)
+        inner = scope["inner"]()
+        seen.append((isinstance(inner, nn.Sequential), [name for name, _ in inner.named_children()]))
+    return seen
+
+
+def test_the_wrapped_module_is_the_model_itself(ranks: Any) -> None:
+    """FSDP1's `model.module` is the module it wraps; under FSDP2 that is the model itself."""
+    source = _MODEL.replace("POLICY", "None") + "\n\ndef inner():\n    model = build()\n    return model.module\n"
+    result = migrate_source(source)
+    assert result.findings == [], result.findings
+    assert "return model\n" in result.migrated and "model.module" not in result.migrated
+    fsdp1, fsdp2 = ranks(_inner_module, 2, source, result.migrated)[0]
+    assert fsdp1 == fsdp2 == (True, ["0", "1", "2", "3"])
+
+
 def test_check_write_and_idempotence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     program = tmp_path / "pkg" / "train.py"
     program.parent.mkdir()
