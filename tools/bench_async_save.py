@@ -147,7 +147,7 @@ def worker(rank: int, impl: str, port: int, workdir: str, args: dict, queue: Any
         start = time.perf_counter()
         pending = save_async(fmt, os.path.join(workdir, f"{impl}_{fmt}_async"))
         stall = time.perf_counter() - start
-        during = []
+        during: list[float] = []
         while len(during) < 200:  # steps until every rank's save is complete
             during.append(step())
             running = torch.tensor([0 if pending.done() else 1])
