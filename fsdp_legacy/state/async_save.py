@@ -106,12 +106,15 @@ def _settle_previous() -> None:
 
 def side_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """The gloo group of background saves over the ranks of `process_group` (default: every rank), made once per
-    process group setup. Every rank of it must call this the same number of times (the async saves do)."""
+    process group setup. Every rank of it must call this the same number of times (the async saves do); for a
+    subgroup, only its ranks."""
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     default = dist.distributed_c10d._get_default_group()
     cached = _side_groups.get(ranks)
     if cached is None or cached[0] is not default:
-        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        # Every rank of the job makes it when the save is over all of them; a subgroup's ranks alone, otherwise.
+        local = len(ranks) < dist.get_world_size()
+        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
         assert group is not None
         _side_groups[ranks] = (default, group)
         return group
