@@ -9,7 +9,9 @@ step a function of the step and rank) and checkpoints every `--every` steps, in 
 per-rank LOCAL torch.save files (each with the optimizer state), plus a full-model safetensors export replaced in
 place (save_full_model: two renames). Kills land mid-step (after backward, before optimizer.step), mid-collective
 (a unit's forward, the other ranks waiting in its all-gather), mid-save (after a rank's DCP data, or after dcp.save
-before the side file, or with a rank file half written) and mid-rename (between the export's two renames).
+before the side file, or with a rank file half written), mid-rename (between the export's two renames), mid-backward
+(the later units' reduce-scatters issued, the others waiting in them) and mid-resume (inside latest()'s agreement, or
+on entering the checkpoint's load).
 
 This runs the same schedule twice, without kills (the reference) and with them, and holds when:
 - the final parameters and optimizer state (FULL state dicts) are bit-identical to the reference's;
@@ -205,7 +207,7 @@ def steps_repeated(events: list[dict[str, Any]]) -> int:
     repeated, killed_at = 0, None
     for event in events:
         if event["event"] == "kill":
-            killed_at = event["done"]
+            killed_at = event["done"] if event["done"] >= 0 else None  # (killed while resuming: no step lost)
         elif event["event"] == "start" and killed_at is not None:
             repeated += max(0, killed_at - event["step"])
             killed_at = None
@@ -255,9 +257,10 @@ def report(args: argparse.Namespace, schedule: list[Phase], reference: Outcome, 
         print(
             f"  kill: phase {kill['phase']}, rank {kill['rank']}, mid-{kill['moment']}"
             + (f" ({kill['detail']})" if kill["detail"] else "")
-            + f", at step {kill['done']}"
+            + (f", at step {kill['done']}" if kill["done"] >= 0 else "")
         )
-    restarts = sum(e["attempt"] > 0 for e in soaked.of("start"))
+    # every attempt after the first of its phase, whether it logged a start or died resuming
+    restarts = len({(e["phase"], e["attempt"]) for e in (*soaked.of("start"), *kills) if e["attempt"] > 0})
     resumes = [e for e in soaked.of("start") if e["attempt"] > 0]
     for start in resumes:
         where = os.path.basename(start["found"]) if start["found"] else "nothing (a fresh start)"

@@ -52,7 +52,7 @@ from process_exit import exit_now
 
 # Checkpoint formats, in turn by save number. Each holds the model and the optimizer state, so a resume is exact.
 FORMATS = ("dcp-sharded", "dcp-local", "rank-files")
-MOMENTS = ("step", "collective", "save", "rename")
+MOMENTS = ("step", "collective", "backward", "save", "rename", "resume")
 EVENTS = "events.jsonl"
 FINAL = "final.pt"
 BATCH, SEQ = 4, 32
@@ -74,8 +74,9 @@ class Phase:
 class KillPlan:
     rank: int  # the victim
     moment: str  # one of MOMENTS
-    detail: str  # how, within the moment (the save's stage)
-    done: int  # steps done when it dies: the step in progress (step, collective) or the save point (save, rename)
+    detail: str  # how, within the moment (the save's stage, the resume's)
+    done: int  # steps done when it dies: the step in progress (step, collective, backward), the save point (save,
+    # rename) or the step resumed from (resume: set when it dies)
 
 
 @dataclass
@@ -133,13 +134,17 @@ def is_save_point(done: int, phase: Phase, every: int) -> bool:
 
 def plan_kill(seed: int, phase: Phase, every: int, kills_done: int, start: int) -> KillPlan:
     """Where this attempt's victim dies: always before the phase's last save, so a kill never leaves the phase
-    complete with kills still to place (every attempt that has one dies)."""
+    complete with kills still to place (every attempt that has one dies). A collective kill is in forward (a unit's
+    all-gather) or, by a second draw, in backward (reduce-scatters in flight)."""
     rng = random.Random(f"soak-{seed}-{phase.index}-{kills_done}")
     horizon = min(phase.end, start + 2 * every)  # within about two checkpoints of the resume
     saves = [d for d in range(start + 1, horizon) if is_save_point(d, phase, every)]
-    moment = rng.choice(MOMENTS if saves else MOMENTS[:2])
+    moment = rng.choice(("step", "collective", "save", "rename") if saves else ("step", "collective"))
     if moment in ("step", "collective"):
-        return KillPlan(rng.randrange(phase.world), moment, "", rng.randrange(start, horizon))
+        plan = KillPlan(rng.randrange(phase.world), moment, "", rng.randrange(start, horizon))
+        if moment == "collective" and random.Random(f"soak-{seed}-{phase.index}-{kills_done}-pass").randrange(2):
+            plan = KillPlan(plan.rank, "backward", "", plan.done)
+        return plan
     done = rng.choice(saves)
     if moment == "rename":  # rank 0 alone renames (convert/atomic.py)
         return KillPlan(0, moment, "between the export's renames", done)
@@ -150,9 +155,25 @@ def plan_kill(seed: int, phase: Phase, every: int, kills_done: int, start: int) 
     return KillPlan(rng.randrange(phase.world), moment, detail, done)
 
 
+def plan_resume_kill(seed: int, phase: Phase, kills_done: int, resuming: bool) -> KillPlan | None:
+    """A kill while this attempt resumes (inside latest()'s agreement, or inside the load), decided before it
+    resumes; None (the kill is placed after the resume by plan_kill) when there is nothing to resume from or the draw
+    says so: one draw in len(MOMENTS)."""
+    rng = random.Random(f"soak-{seed}-{phase.index}-{kills_done}-resume")
+    if not resuming or rng.randrange(len(MOMENTS)):
+        return None
+    stage = rng.choice(["latest", "load"])
+    detail = "inside latest()'s agreement" if stage == "latest" else "inside the checkpoint's load"
+    return KillPlan(rng.randrange(phase.world), "resume", detail, -1)
+
+
 def die(run: Run, step: int) -> None:
+    """SIGKILL this rank, logged first (with its attempt: a resume kill's attempt logs no start)."""
     assert run.plan is not None
-    log_event(run.folder, {"event": "kill", "phase": run.phase.index, **asdict(run.plan), "at_step": step})
+    plan = asdict(run.plan)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    event = {"event": "kill", "phase": run.phase.index, **plan, "at_step": step, "attempt": attempt}
+    log_event(run.folder, event)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -303,8 +324,29 @@ def export(run: Run, done: int) -> None:
         save_full_model(run.model, run.export)
 
 
+@contextlib.contextmanager
+def killing_inside_resume(run: Run) -> Iterator[None]:
+    """The victim of a resume kill dies inside latest()'s agreement (the others wait in it) or on entering the load
+    (dcp.load's collectives; its own rank file). (Nothing else in a resume exchanges objects before latest() does.)"""
+    if not planned(run, "resume", -1):
+        yield
+        return
+    assert run.plan is not None
+    if run.plan.detail.startswith("inside latest()"):  # its first exchange: the others wait in it
+        with mock.patch.object(dist, "all_gather_object", lambda *_, **__: die(run, -1)):
+            yield
+        return
+    with mock.patch.object(dcp_checkpoint_module.dcp, "load", lambda *_, **__: die(run, -1)):
+        yield
+
+
 def resume(run: Run) -> tuple[int, dict[str, Any]]:
     """Load the newest intact checkpoint latest() agrees on; the steps done, and what to log about it."""
+    with killing_inside_resume(run):
+        return load_latest(run)
+
+
+def load_latest(run: Run) -> tuple[int, dict[str, Any]]:
     found = latest(run.root)
     skipped = [{"path": s.path, "reason": s.reason} for s in (found.skipped if found else ())]
     if found is None:
@@ -313,6 +355,8 @@ def resume(run: Run) -> tuple[int, dict[str, Any]]:
         return 0, {"found": None, "skipped": skipped}
     fmt = os.path.basename(found.path).split(".", 1)[1]
     if fmt == "rank-files":
+        if planned(run, "resume", -1):
+            die(run, -1)  # (dcp.load is not what reads rank files)
         load_local(run, load_rank_state(os.path.join(found.path, f"rank{run.rank}.pt")))
     elif fmt == "dcp-local":
         get_optimizer_state_dict(run.model, run.optim)  # the optimizer's state must exist to be a load target
@@ -340,6 +384,12 @@ def train(run: Run, data: torch.Tensor, start: int) -> None:
         hook = None
         if planned(run, "collective", step):  # the others wait in this unit's all-gather for the victim
             hook = middle.register_forward_pre_hook(lambda *_, at=step: die(run, at))
+        if planned(run, "backward", step):  # in backward, the later units' reduce-scatters issued, the others in them
+
+            def die_in_backward(module: Any, inputs: Any, output: torch.Tensor, at: int = step) -> None:
+                output.register_hook(lambda _: die(run, at))
+
+            hook = middle.register_forward_hook(die_in_backward)
         _, loss = run.model(x, y)
         loss.backward()
         if planned(run, "step", step):  # gradients reduced, the optimizer not stepped
@@ -388,14 +438,19 @@ def main(argv: list[str] | None = None) -> None:
     phase = Phase(args.phase, world, args.from_step, args.to_step, args.kills, args.last)
     model, optim, data = build(args.seed)
     run = Run(args.folder, args.seed, args.every, phase, rank, model, optim, None)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kills_done = sum(e["event"] == "kill" and e["phase"] == phase.index for e in read_events(args.folder))
+    plan: list[KillPlan | None] = [None]
+    if rank == 0 and kills_done < phase.kills:
+        plan[0] = plan_resume_kill(args.seed, phase, kills_done, resuming=attempt > 0 or phase.index > 0)
+    dist.broadcast_object_list(plan, src=0)
+    run.plan = plan[0]
     start, about = resume(run)
     digests = gather(digest(run))
-    plan: list[KillPlan | None] = [None]
+    plan = [None]
     if rank == 0:
-        kills_done = sum(e["event"] == "kill" and e["phase"] == phase.index for e in read_events(args.folder))
         if kills_done < phase.kills:
             plan[0] = plan_kill(args.seed, phase, args.every, kills_done, start)
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         log_event(
             args.folder,
             {

@@ -53,7 +53,9 @@ def soak(tmp_path, kills: int, *options: str) -> tuple[list[dict], list[dict]]:
     assert not any(e["event"] == "kill" for e in reference)
     kills_done = [e for e in soaked if e["event"] == "kill"]
     starts = [e for e in soaked if e["event"] == "start"]
-    assert len(kills_done) == kills and sum(s["attempt"] > 0 for s in starts) == kills
+    # every kill is followed by one more attempt (one killed while resuming logs its kill, not a start)
+    attempts = {(e["phase"], e["attempt"]) for e in (*starts, *kills_done) if e["attempt"] > 0}
+    assert len(kills_done) == kills and len(attempts) == kills
     # What the reference held after each number of steps (when it saved, and at its starts), on every rank.
     expected = {(e["world"], e["step"]): e["digests"] for e in reference if e["event"] in ("saved", "start")}
     for start in starts:
@@ -81,3 +83,13 @@ def test_killed_after_changing_world_size(tmp_path) -> None:
     restart = starts[-1]
     assert (restart["world"], os.path.basename(restart["found"])) == (2, "step_000004.dcp-sharded")
     assert [os.path.basename(s["path"]) for s in restart["skipped"]] == ["step_000006.dcp-sharded"]
+
+
+def test_killed_in_backward_and_inside_the_restarts_load(tmp_path) -> None:
+    # seed 20: a rank killed in backward (the later units' reduce-scatters issued), then one killed inside the next
+    # attempt's checkpoint load (the attempt logs no start); every restart still loads the reference's state
+    kills, starts = soak(tmp_path, 4, "--nproc", "2", "--first-nproc", "0", "--seed", "20")
+    assert [k["moment"] for k in kills][:2] == ["backward", "resume"]
+    assert kills[1]["detail"] == "inside the checkpoint's load" and kills[1]["attempt"] == 1
+    assert 1 not in {start["attempt"] for start in starts}, "the attempt killed while resuming logged no start"
+
