@@ -92,4 +92,3 @@ def test_killed_in_backward_and_inside_the_restarts_load(tmp_path) -> None:
     assert [k["moment"] for k in kills][:2] == ["backward", "resume"]
     assert kills[1]["detail"] == "inside the checkpoint's load" and kills[1]["attempt"] == 1
     assert 1 not in {start["attempt"] for start in starts}, "the attempt killed while resuming logged no start"
-
