@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,9 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp_legacy from the checkout
+from bench_checkpoint import Block, build, free_port
 from process_exit import exit_now
 
 MARK_BEGIN, MARK_END = "<!-- bench_async_save:begin -->", "<!-- bench_async_save:end -->"
@@ -56,15 +55,6 @@ NAMES = {
     "sharded_model": "DCP SHARDED, async_save_sharded",
     "local": "DCP LOCAL",
 }
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(x))
 
 
 class _Pending:
@@ -95,8 +85,9 @@ def worker(rank: int, impl: str, port: int, workdir: str, args: dict, queue: Any
     lib: Any = tfsdp if impl == "torch" else fsdp_legacy
     extra = {"device_id": torch.device("cpu")} if impl == "torch" else {}
     torch.manual_seed(0)
-    blocks = nn.Sequential(*(Block(args["width"]) for _ in range(args["layers"])))
-    model = lib.FullyShardedDataParallel(blocks, auto_wrap_policy=lib.wrap.ModuleWrapPolicy({Block}), **extra)
+    model = lib.FullyShardedDataParallel(
+        build(args["layers"], args["width"]), auto_wrap_policy=lib.wrap.ModuleWrapPolicy({Block}), **extra
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     torch.manual_seed(rank)
     x = torch.randn(args["rows"], args["width"])
@@ -174,16 +165,10 @@ def worker(rank: int, impl: str, port: int, workdir: str, args: dict, queue: Any
     exit_now()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(impl: str, workdir: str, args: dict) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=worker, args=(r, impl, port, workdir, args, queue)) for r in range(2)]
     for proc in procs:
         proc.start()

@@ -181,7 +181,7 @@ def _broadcast_from_rank0(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -190,7 +190,7 @@ def _free_port() -> int:
 def run(impl: str, workdir: str, layers: int, width: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=worker, args=(r, impl, port, workdir, layers, width, queue)) for r in range(2)]
     for proc in procs:
         proc.start()

@@ -151,7 +151,7 @@ def _dcp_in_background(
         saved = dcp.save(staged, storage_writer=writer, process_group=group)
         return finish_save(saved, checkpoint_id, records, group)
 
-    return _start(checkpoint_id, started, finish, _local_bytes(state))
+    return _start(checkpoint_id, started, finish, background_state.tensor_bytes(state))  # what DCP's staging copies
 
 
 @torch.no_grad()
@@ -281,18 +281,3 @@ class _CopyBuffers:
 
 
 _buffers = _CopyBuffers()
-
-
-def _local_bytes(state: Any) -> int:
-    """The bytes of this rank's tensors in a state dict: what DCP's staging copies."""
-    if isinstance(state, dict):
-        return sum(_local_bytes(value) for value in state.values())
-    if isinstance(state, list | tuple):
-        return sum(_local_bytes(value) for value in state)
-    local_shards = getattr(state, "local_shards", None)
-    if callable(local_shards):  # a ShardedTensor
-        return sum(shard.tensor.nbytes for shard in local_shards())
-    to_local = getattr(state, "to_local", None)
-    if callable(to_local):  # a DTensor
-        return int(to_local().nbytes)
-    return int(state.nbytes) if isinstance(state, torch.Tensor) else 0

@@ -37,7 +37,7 @@ class CapturedState:
 
     @property
     def copied_bytes(self) -> int:
-        return self.model.copied_bytes + _tree_bytes(self.optim.osd["state"])
+        return self.model.copied_bytes + tensor_bytes(self.optim.osd["state"])
 
 
 def capture(model: nn.Module, optim: torch.optim.Optimizer, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -96,11 +96,16 @@ def _copy_tree(value: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
-def _tree_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    if isinstance(value, dict):
-        return sum(_tree_bytes(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        return sum(_tree_bytes(item) for item in value)
-    return 0
+def tensor_bytes(state: Any) -> int:
+    """The bytes of this rank's tensors in a state dict (a ShardedTensor's local shards, a DTensor's local tensor)."""
+    if isinstance(state, dict):
+        return sum(tensor_bytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(tensor_bytes(value) for value in state)
+    local_shards = getattr(state, "local_shards", None)
+    if callable(local_shards):  # a ShardedTensor
+        return sum(shard.tensor.nbytes for shard in local_shards())
+    to_local = getattr(state, "to_local", None)
+    if callable(to_local):  # a DTensor
+        return int(to_local().nbytes)
+    return int(state.nbytes) if isinstance(state, torch.Tensor) else 0

@@ -50,6 +50,39 @@ def _read(directory: str) -> dict[str, torch.Tensor]:
     return {k: v for name in sorted(os.listdir(directory)) for k, v in load_file(os.path.join(directory, name)).items()}
 
 
+def _state_now(model, opt, kind: str = "SHARDED") -> dict:
+    """The model's and the optimizer's state dicts of `kind` (SHARDED or LOCAL), as the synchronous saves take them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with FSDP.state_dict_type(model, StateDictType[f"{kind}_STATE_DICT"]):
+            return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+
+
+def _assert_same_sharded(actual, expected, where: str = "") -> None:
+    """Equal trees, ShardedTensors equal in their global metadata and local shards."""
+    if isinstance(expected, dict):
+        assert sorted(actual, key=str) == sorted(expected, key=str), f"{where}: {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            _assert_same_sharded(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), where
+        for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
+            _assert_same_sharded(a, b, f"{where}[{i}]")
+    elif hasattr(expected, "local_shards"):
+        assert hasattr(actual, "local_shards"), where
+        mine, theirs = actual.metadata(), expected.metadata()
+        assert mine.size == theirs.size and mine.tensor_properties.dtype == theirs.tensor_properties.dtype, where
+        shape = [(m.shard_offsets, m.shard_sizes) for m in mine.shards_metadata]
+        assert shape == [(m.shard_offsets, m.shard_sizes) for m in theirs.shards_metadata], where
+        for a, b in zip(actual.local_shards(), expected.local_shards(), strict=True):
+            assert a.metadata.shard_offsets == b.metadata.shard_offsets and torch.equal(a.tensor, b.tensor), where
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
+        assert torch.equal(actual.cpu(), expected.cpu()), where
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
 def _full_async(directory: str, model_name: str) -> tuple[float, int, int]:
     config = Config(model_name)
     _, model = build_ours(config)
@@ -84,16 +117,8 @@ def _dcp_async(directory: str, kind: str) -> int:
     _, model = build_ours(config)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     _steps(model, opt, config, 0, 2)
-    state_type = {"LOCAL": StateDictType.LOCAL_STATE_DICT, "SHARDED": StateDictType.SHARDED_STATE_DICT}[kind]
-
-    def state() -> dict:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with FSDP.state_dict_type(model, state_type):
-                return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
-
-    dcp_checkpoint.save(state(), f"{directory}/step_000002.sync")
-    pending = dcp_checkpoint.async_save(state(), f"{directory}/step_000002.async")
+    dcp_checkpoint.save(_state_now(model, opt, kind), f"{directory}/step_000002.sync")
+    pending = dcp_checkpoint.async_save(_state_now(model, opt, kind), f"{directory}/step_000002.async")
     _steps(model, opt, config, 2, 3)
     metadata = pending.wait()
     assert metadata is not None and metadata.state_dict_metadata
@@ -102,31 +127,11 @@ def _dcp_async(directory: str, kind: str) -> int:
 
     loaded = {}
     for name in ("sync", "async"):
-        target = state()
+        target = _state_now(model, opt, kind)
         dcp_checkpoint.load(target, f"{directory}/step_000002.{name}")
         loaded[name] = target
-    _assert_same(loaded["async"], loaded["sync"])
+    _assert_same_sharded(loaded["async"], loaded["sync"])
     return 1
-
-
-def _local(value):
-    if hasattr(value, "local_shards"):
-        return [s.tensor for s in value.local_shards()]
-    if hasattr(value, "to_local"):
-        return [value.to_local()]
-    return [value] if isinstance(value, torch.Tensor) else None
-
-
-def _assert_same(actual, expected, where: str = "") -> None:
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected), where
-        for key in expected:
-            _assert_same(actual[key], expected[key], f"{where}.{key}")
-    elif _local(expected) is not None:
-        for a, b in zip(_local(actual), _local(expected), strict=True):
-            assert torch.equal(a, b), where
-    else:
-        assert actual == expected, where
 
 
 @pytest.mark.parametrize("kind", ["SHARDED", "LOCAL"])
@@ -185,17 +190,10 @@ def _killed_in_the_background(root: str, fmt: str, victim: int) -> None:
     _, model = build_ours(config)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     _steps(model, opt, config, 0, 2)
-
-    def state() -> dict:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-                return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
-
     if fmt == "full":
         save_full_model(model, f"{root}/export")
     else:
-        dcp_checkpoint.save(state(), f"{root}/step_000002.dcp")
+        dcp_checkpoint.save(_state_now(model, opt), f"{root}/step_000002.dcp")
     _steps(model, opt, config, 2, 2)
 
     def die(original):
@@ -215,7 +213,7 @@ def _killed_in_the_background(root: str, fmt: str, victim: int) -> None:
         if fmt == "full":
             pending = save_full_model_async(model, f"{root}/export")
         else:
-            pending = dcp_checkpoint.async_save(state(), f"{root}/step_000004.dcp")
+            pending = dcp_checkpoint.async_save(_state_now(model, opt), f"{root}/step_000004.dcp")
         pending.wait()  # (training's own collectives would fail too, with gloo's error, once a rank is gone)
 
 
@@ -247,38 +245,6 @@ def test_a_rank_killed_during_a_background_save_leaves_the_last_good_checkpoint(
 # SHARDED state dicts built in the background
 
 
-def _sharded_now(model, opt) -> dict:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
-
-
-def _assert_same_sharded(actual, expected, where: str = "") -> None:
-    """Equal trees, ShardedTensors equal in their global metadata and local shards."""
-    if isinstance(expected, dict):
-        assert sorted(actual, key=str) == sorted(expected, key=str), f"{where}: {sorted(actual)} != {sorted(expected)}"
-        for key in expected:
-            _assert_same_sharded(actual[key], expected[key], f"{where}.{key}")
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected), where
-        for i, (a, b) in enumerate(zip(actual, expected, strict=True)):
-            _assert_same_sharded(a, b, f"{where}[{i}]")
-    elif hasattr(expected, "local_shards"):
-        assert hasattr(actual, "local_shards"), where
-        mine, theirs = actual.metadata(), expected.metadata()
-        assert mine.size == theirs.size and mine.tensor_properties.dtype == theirs.tensor_properties.dtype, where
-        shape = [(m.shard_offsets, m.shard_sizes) for m in mine.shards_metadata]
-        assert shape == [(m.shard_offsets, m.shard_sizes) for m in theirs.shards_metadata], where
-        for a, b in zip(actual.local_shards(), expected.local_shards(), strict=True):
-            assert a.metadata.shard_offsets == b.metadata.shard_offsets and torch.equal(a.tensor, b.tensor), where
-    elif isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
-        assert torch.equal(actual.cpu(), expected.cpu()), where
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
-
-
 def _built_in_the_background(config: Config) -> bool:
     from fsdp_legacy.state import background_state
     from fsdp_legacy.state.async_save import side_group
@@ -286,7 +252,7 @@ def _built_in_the_background(config: Config) -> bool:
     _, model = build_ours(config)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     _steps(model, opt, config, 0, 2)
-    expected = _sharded_now(model, opt)
+    expected = _state_now(model, opt)
     captured = background_state.capture(model, opt, lambda t: t.clone())
     if captured is None:
         return False
@@ -316,13 +282,13 @@ def _sharded_async(directory: str, config: Config) -> float:
     _, model = build_ours(config)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     _steps(model, opt, config, 0, 2)
-    dcp_checkpoint.save(_sharded_now(model, opt), f"{directory}/sync")
+    dcp_checkpoint.save(_state_now(model, opt), f"{directory}/sync")
     pending = dcp_checkpoint.async_save_sharded(model, opt, f"{directory}/async")
     _steps(model, opt, config, 2, 3)
     pending.wait()
     loaded = {}
     for name in ("sync", "async"):
-        target = _sharded_now(model, opt)
+        target = _state_now(model, opt)
         dcp_checkpoint.load(target, f"{directory}/{name}")
         loaded[name] = target
     _assert_same_sharded(loaded["async"], loaded["sync"])
