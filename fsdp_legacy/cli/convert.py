@@ -30,13 +30,16 @@ Sources (--from, detected by default): the formats above (a LOCAL one also as pe
 LOCAL model state dict: their directory or a quoted glob pattern), and the layouts FSDP1 users have:
   accelerate   the directory Accelerator.save_state writes with the FSDP plugin: pytorch_model_fsdp.bin and
                optimizer.bin (FULL_STATE_DICT), pytorch_model_fsdp_0/ and optimizer_0/ (SHARDED_STATE_DICT, DCP),
-               pytorch_model_fsdp_rank{r}.bin (LOCAL_STATE_DICT, which needs --layout-from when torch saved it)
+               pytorch_model_fsdp_rank{r}.bin (LOCAL_STATE_DICT: see the layout below)
   lightning    Lightning's FSDPStrategy checkpoint: the sharded DCP directory with meta.pt, or the full file (Fabric
                or Trainer)
   verl         verl's per-rank files, model_world_size_{W}_rank_{r}.pt (ShardedTensors of torch's FSDP1, or FSDP2's
                DTensors) and optim_world_size_{W}_rank_{r}.pt (their directory, or a quoted glob); the optimizer
                state of torch FSDP1 without use_orig_params needs --layout-from
   safetensors  a directory in Hugging Face's layout
+A LOCAL checkpoint saved without layout records (torch's FSDP1, a plain dcp.save) has its layout inferred from the
+optimizer state saved beside it when that trains every parameter (FQNs, shapes and order); otherwise pass
+--layout-from. Without use_orig_params a tied parameter's second name cannot be seen there (the report says so).
 The optimizer state comes along wherever the source has it (--model-only leaves it out); --strip-prefix takes a
 prefix off the names that have it (the Trainer's are the LightningModule's: 'model.' in front of a HF model's names).
 
@@ -49,7 +52,8 @@ EXAMPLES = f"""examples:
   fsdp-legacy convert ckpt/local ckpt/fsdp2 --to dcp                     # LOCAL (flat) -> FSDP2's DCP
   fsdp-legacy convert ckpt/fsdp2 ckpt/model.pt --to full                 # -> one torch.save file
   fsdp-legacy convert ckpt/model.pt ckpt/local8 --to local --world-size 8      # -> LOCAL for 8 ranks
-  fsdp-legacy convert torch_ckpt/local ckpt/model.pt --to full --layout-from ckpt/local   # torch FSDP1's LOCAL
+  fsdp-legacy convert torch_ckpt/local ckpt/model.pt --to full         # torch FSDP1's LOCAL, model + optimizer
+  fsdp-legacy convert torch_ckpt/local ckpt/model.pt --to full --layout-from ckpt/local   # ... layout given
   fsdp-legacy convert plain_dcp/ ckpt/model.pt --to full --layout-from mypkg.models:build --wrap mypkg.models.Layer
   fsdp-legacy convert 'ckpt/rank*.pt' ckpt/fsdp2 --to dcp                # per-rank torch.save files (quoted glob)
   fsdp-legacy convert out/checkpoint-100 hf/ --to safetensors --dtype bfloat16   # Accelerate -> Hugging Face
@@ -109,7 +113,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="a checkpoint carrying the flat-parameter layout (one saved by fsdp_legacy under LOCAL_STATE_DICT, or "
         "converted from one), or the model's code as pkg.mod:factory (a function returning the plain model; with "
         "--wrap): needed for --to local from a checkpoint without it, to read torch FSDP1's LOCAL checkpoints and a "
-        "plain dcp.save of a LOCAL state dict, and verl's FSDP1 optimizer state",
+        "plain dcp.save of a LOCAL state dict whose optimizer state does not give the layout, and verl's FSDP1 "
+        "optimizer state",
     )
     p.add_argument(
         "--wrap",

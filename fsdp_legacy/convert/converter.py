@@ -27,8 +27,9 @@ import torch
 from .checkpoint import Checkpoint, Path, TensorMeta, dotted
 from .dcp_files import DcpCheckpoint, write_dcp
 from .errors import CheckpointError
-from .flat import Flattened, Unflattened, is_local, records_in
-from .record import FlatParamRecord
+from .flat import Flattened, Unflattened, is_local, no_layout_message, records_in
+from .inferred_layout import infer_layout
+from .record import FlatParamRecord, is_flat_key
 from .safetensors_files import ModelWeights, write_safetensors
 from .sources import SOURCE_LAYOUTS, open_source
 from .torch_file import write_torch_file
@@ -127,10 +128,12 @@ def convert_checkpoint(
             source_format = format_of(stored)
         elif source_format == "local" and not is_local(stored):  # per-rank files of a SHARDED (or FSDP2) state dict
             source_format = "sharded per-rank files"
-        view: Checkpoint = Unflattened(stored, layout) if is_local(stored) else stored  # by FQN, as the others are
         notes: tuple[str, ...] = ()
+        if is_local(stored) and not layout and not records_in(stored):
+            layout, notes = _inferred_layout(stored)
+        view: Checkpoint = Unflattened(stored, layout) if is_local(stored) else stored  # by FQN, as the others are
         if to == "safetensors" and not model_only and any(path[0] == "optim" for path in view.leaves):
-            notes = ("the optimizer state was not carried over: safetensors holds model weights only",)
+            notes += ("the optimizer state was not carried over: safetensors holds model weights only",)
         if model_only or to == "safetensors":
             view = _without_optimizer(view)
         if strip_prefix is not None:
@@ -199,6 +202,20 @@ def _write_failed(destination: str, error: OSError) -> CheckpointError:
         f"Could not write {destination}: {cause}{free}. Nothing was written there, and the previous {destination}, "
         f"if any, is intact: {hint}, and run the conversion again."
     )
+
+
+def _inferred_layout(stored: Checkpoint) -> tuple[dict[str, FlatParamRecord], tuple[str, ...]]:
+    """The layout of a LOCAL checkpoint saved without records, from the optimizer state beside it; where that cannot
+    be done, the error says why and how to give the layout."""
+    try:
+        inferred = infer_layout(stored)
+    except CheckpointError as why:
+        first = next(key for key in stored.section("model") if is_flat_key(key))
+        raise CheckpointError(
+            f"{no_layout_message(f'model.{first} in {stored.location}')} Its layout could not be inferred from the "
+            f"optimizer state saved beside it either: {why}."
+        ) from None
+    return inferred.records, inferred.notes
 
 
 def _records_of(path: str) -> dict[str, FlatParamRecord]:

@@ -40,6 +40,20 @@ def records_in(checkpoint: Checkpoint) -> dict[str, FlatParamRecord]:
     return found
 
 
+def no_layout_message(where: str) -> str:
+    """Why a flat parameter without a layout record cannot be read, and the ways to give its layout."""
+    return (
+        f"{where} is a flat parameter without a layout record, so which parameters it holds is unknown. "
+        "fsdp_legacy keeps the record in the state dict's _metadata (which torch.save keeps), and in a "
+        f"DCP directory's {SIDE_FILE} when saved through fsdp_legacy.dcp_checkpoint.save; this checkpoint "
+        "was saved by torch's FSDP1, by a plain dcp.save, or from a copy of the state dict without its "
+        "_metadata. Pass --layout-from (layout_from=) a checkpoint of the same model and wrapping saved by "
+        "fsdp_legacy at any world size, or the model's code (--layout-from pkg.mod:factory --wrap "
+        "pkg.mod.Layer); or save with fsdp_legacy.dcp_checkpoint.save (or "
+        f"{LAYOUT_KEYS_ENV}=1, which adds the records as <flat key>{RECORD_SUFFIX} tensors) next time."
+    )
+
+
 def is_local(checkpoint: Checkpoint) -> bool:
     """Whether the model section has flat parameters (or records of them)."""
     return any(is_flat_key(key) or is_record_key(key) for key in checkpoint.section("model"))
@@ -91,16 +105,7 @@ class Unflattened(Checkpoint):
         record = own
         if record is None:
             if key not in layout:
-                raise CheckpointError(
-                    f"{where} is a flat parameter without a layout record, so which parameters it holds is unknown. "
-                    "fsdp_legacy keeps the record in the state dict's _metadata (which torch.save keeps), and in a "
-                    f"DCP directory's {SIDE_FILE} when saved through fsdp_legacy.dcp_checkpoint.save; this checkpoint "
-                    "was saved by torch's FSDP1, by a plain dcp.save, or from a copy of the state dict without its "
-                    "_metadata. Pass --layout-from (layout_from=) a checkpoint of the same model and wrapping saved by "
-                    "fsdp_legacy at any world size, or the model's code (--layout-from pkg.mod:factory --wrap "
-                    "pkg.mod.Layer); or save with fsdp_legacy.dcp_checkpoint.save (or "
-                    f"{LAYOUT_KEYS_ENV}=1, which adds the records as <flat key>{RECORD_SUFFIX} tensors) next time."
-                )
+                raise CheckpointError(no_layout_message(where))
             # The flat parameter's world size, from the chunks the ranks saved: ceil(numel / shard numel).
             world_size = -(-leaf.shape[0] // max(s[0] for _, s in chunks)) if chunks else layout[key].world_size
             record = layout[key].at_world_size(world_size)

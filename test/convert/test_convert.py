@@ -39,15 +39,15 @@ FULL, LOCAL = "FULL_STATE_DICT", "LOCAL_STATE_DICT"
 # On the ranks
 
 
-def _save_local(config: Config, path: str, impl: str = "ours") -> dict:
-    """Train with Adam (ours or torch's FSDP1), save the LOCAL model and optimizer state dicts with DCP; return the
-    FULL ones, the oracle."""
+def _save_local(config: Config, path: str, impl: str = "ours", plain: bool = False) -> dict:
+    """Train with Adam (ours or torch's FSDP1), save the LOCAL model and optimizer state dicts with DCP (ours through
+    fsdp_legacy.dcp_checkpoint unless `plain`); return the FULL ones, the oracle."""
     lib = fsdp_legacy if impl == "ours" else torch_fsdp
     model = build_ours(config)[1] if impl == "ours" else build_torch_fsdp(config)
     optim = adam(model)
     train(model, optim, config, range(2))
     state = {"model": model_sd(model, lib, LOCAL), "optim": osd(model, optim, lib, LOCAL)}
-    if impl == "ours":  # through our path: the layout records go into the directory's side file
+    if impl == "ours" and not plain:  # through our path: the layout records go into the directory's side file
         dcp_checkpoint.save(state, path)
     else:
         dcp.save(state, checkpoint_id=path)
@@ -231,25 +231,19 @@ def test_local_checkpoint_loads_into_fsdp2(tmp_path, config: Config, world_size:
         assert loaded["optim"]["param_groups"][0]["lr"] == expected["optim"]["param_groups"][0]["lr"]
 
 
-def test_torch_fsdp1_local_checkpoint_needs_a_layout(tmp_path) -> None:
-    """torch's FSDP1 writes no layout record: converting says what is missing; with the layout of our checkpoint of
-    the same model (saved at another world size) it converts, and equals torch's own FULL state dicts."""
+def test_torch_fsdp1_local_checkpoint_converts_with_an_inferred_or_a_given_layout(tmp_path) -> None:
+    """torch's FSDP1 writes no layout record: the layout is inferred from the optimizer state beside the model
+    (test_inferred_layout.py), or taken from our checkpoint of the same model (saved at another world size); both
+    convert to torch's own FULL state dicts."""
     config = Config("transformer", use_orig_params=True)
     theirs, ours = str(tmp_path / "torch_local"), str(tmp_path / "ours_local")
     expected = run_on_ranks(_save_local, 2, config, theirs, "torch")[0]
     run_on_ranks(_save_local, 4, config, ours)
-    with pytest.raises(
-        CheckpointError,
-        match=r"model\.blocks\.0\._flat_param in .*torch_local is a flat parameter "
-        r"without a layout record.*plain dcp\.save.*"
-        r"--layout-from",
-    ):
-        convert_checkpoint(theirs, str(tmp_path / "full.pt"), to="full")
-    assert not os.path.exists(tmp_path / "full.pt")
-    convert_checkpoint(theirs, str(tmp_path / "full.pt"), to="full", layout_from=ours)
-    stored = torch.load(tmp_path / "full.pt", weights_only=True)
-    assert_same(stored["model"], expected["model"], "torch FSDP1 LOCAL -> full, model")
-    assert_same(stored["optim"], expected["optim"], "torch FSDP1 LOCAL -> full, optimizer")
+    for name, layout_from in (("inferred", None), ("given", ours)):
+        convert_checkpoint(theirs, str(tmp_path / f"{name}.pt"), to="full", layout_from=layout_from)
+        stored = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        assert_same(stored["model"], expected["model"], f"torch FSDP1 LOCAL -> full, model, {name} layout")
+        assert_same(stored["optim"], expected["optim"], f"torch FSDP1 LOCAL -> full, optimizer, {name} layout")
 
 
 def test_torch_fsdp1_per_rank_local_files(tmp_path) -> None:

@@ -427,15 +427,16 @@ def test_accelerate_checkpoints(accelerate_out: Path, tmp_path: Path, name: str)
 @pytest.mark.frameworks
 def test_accelerate_local_checkpoint_with_a_layout(accelerate_out: Path, tmp_path: Path) -> None:
     """LOCAL_STATE_DICT: torch's flat parameters per rank (no layout record) and optimizer_0/; with --layout-from our
-    LOCAL checkpoint of the same model and wrapping (written by the same script with fsdp_legacy), equal to torch's
-    FULL state dicts; without it, the error names the option."""
+    LOCAL checkpoint of the same model and wrapping (written by the same script with fsdp_legacy), or with the layout
+    inferred from optimizer_0/, equal to torch's FULL state dicts; with the model alone, the error names the option."""
     source = accelerate_out / "local"
-    with pytest.raises(CheckpointError, match="without a layout record.*--layout-from"):
-        convert_checkpoint(str(source), str(tmp_path / "full.pt"), to="full")
-    convert_checkpoint(str(source), str(tmp_path / "full.pt"), to="full", layout_from=str(accelerate_out / "layout"))
-    stored = _full(tmp_path / "full.pt")
-    assert_same(without_layout(stored), _expected(source), "Accelerate LOCAL -> full")
-    assert len(stored["layout"]) == 3, "the records travel along (the root and two blocks)"
+    with pytest.raises(CheckpointError, match="without a layout record.*--layout-from.*no optimizer state"):
+        convert_checkpoint(str(source), str(tmp_path / "full.pt"), to="full", model_only=True)
+    for name, layout_from in (("given", str(accelerate_out / "layout")), ("inferred", None)):
+        convert_checkpoint(str(source), str(tmp_path / f"{name}.pt"), to="full", layout_from=layout_from)
+        stored = _full(tmp_path / f"{name}.pt")
+        assert_same(without_layout(stored), _expected(source), f"Accelerate LOCAL -> full, {name} layout")
+        assert len(stored["layout"]) == 3, "the records travel along (the root and two blocks)"
 
 
 @pytest.mark.frameworks
