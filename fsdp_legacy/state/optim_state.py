@@ -33,7 +33,7 @@ from ..naming import clean_fqn
 from ..tensor_parallel import DTensorParam
 from ..unit import FSDPUnit
 from .fresh_optim import check_load_target, note_returned
-from .optim_state_named import by_param_ids, keyed_by_name
+from .optim_state_named import by_param_ids, by_param_names, keyed_by_name
 from .state_dict import chunk_sharded_tensor, clean_key, detached_copy, get_state_dict_type
 from .state_dict_dtensor import chunk_dtensor, uses_dtensor
 from .state_dict_loading import gather_full_tensor, materialize
@@ -442,12 +442,8 @@ def optim_state_dict_to_load(
 ) -> dict[str, Any]:
     """This rank's part of an FQN-keyed optimizer state dict (FULL, SHARDED or LOCAL values), keyed as
     `optim.state_dict()` is: int ids, flat shard states (use_orig_params=False) or 1-D pieces of the original
-    parameters (True). With a FULL rank0_only config only rank 0 needs to pass the dict. `load_directly` loads it."""
-    if is_named_optimizer:
-        raise NotImplementedError(
-            "is_named_optimizer=True (FQN-keyed optimizers such as torchrec's KeyedOptimizer) is not supported; use a "
-            "torch.optim optimizer, whose state dict is keyed by parameter ids."
-        )
+    parameters (True). With a FULL rank0_only config only rank 0 needs to pass the dict. `is_named_optimizer` keys
+    it by the model's parameter names instead (what a _NamedOptimizer loads). `load_directly` loads it."""
     settings = get_state_dict_type(model)
     if settings is None:
         raise ValueError("optim_state_dict_to_load needs a model with at least one FullyShardedDataParallel unit.")
@@ -455,6 +451,8 @@ def optim_state_dict_to_load(
     rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
     check_load_target(model, optim, optim_state_dict, group)
     result = optim_state_to_load(model, optim, optim_state_dict, broadcast=rank0_only, group=group)
+    if is_named_optimizer:
+        result = by_param_names(model, optim, result)
     if load_directly:
         optim.load_state_dict(result)
     return result

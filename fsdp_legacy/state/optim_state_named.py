@@ -4,6 +4,7 @@ model's `named_parameters()` names (wrapper prefixes included).
 
 FSDP.optim_state_dict saves them as torch does, as it saves an optimizer keyed by ids: such a dict is re-keyed by id
 (the position of the parameter among the optimizer's parameters) first; the groups keep their saved order.
+FSDP.optim_state_dict_to_load(..., is_named_optimizer=True) keys what it returns by those names again.
 """
 
 from typing import Any
@@ -37,5 +38,28 @@ def by_param_ids(model: nn.Module, params: list[nn.Parameter], osd: dict[str, An
     if "param_groups" in osd:
         result["param_groups"] = [
             {k: [id_of[name] for name in v] if k == "params" else v for k, v in group.items()} for group in groups
+        ]
+    return result
+
+
+def by_param_names(model: nn.Module, optim: Any, osd: dict[str, Any]) -> dict[str, Any]:
+    """`osd` (keyed by the ids of the optimizer's parameters, as optim_state_dict_to_load returns it) keyed by the
+    parameters' names in `model` instead: what a named optimizer loads. The reverse of `by_param_ids`; each group lists
+    its names sorted, as torch's FSDP1 does."""
+    name_of: dict[nn.Parameter, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        name_of.setdefault(param, name)
+    params = [param for group in optim.param_groups for param in group["params"]]
+    unnamed = [key for key, param in enumerate(params) if param not in name_of]
+    if unnamed:
+        raise ValueError(
+            f"is_named_optimizer=True: the optimizer's parameters {unnamed[:8]} (by position) are not parameters of "
+            "the model, so they have no name to key the state by: build the optimizer from the model's parameters."
+        )
+    result: dict[str, Any] = {"state": {name_of[params[key]]: value for key, value in osd["state"].items()}}
+    if "param_groups" in osd:
+        result["param_groups"] = [
+            {k: sorted(name_of[params[key]] for key in v) if k == "params" else v for k, v in group.items()}
+            for group in osd["param_groups"]
         ]
     return result

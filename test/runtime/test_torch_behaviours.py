@@ -6,6 +6,7 @@
   a part of the model left unwrapped): the same dicts, which load into the optimizer and train on identically;
 * an optimizer keyed by parameter name (torch.distributed.optim's _NamedOptimizer, as torchrec uses) on a model whose
   sparse part differs by rank and stays outside FSDP: optim_state_dict gives torch's dict, the state of a plain Adam;
+  optim_state_dict_to_load(is_named_optimizer=True) gives torch's name-keyed dict, which the named optimizer loads;
 * the original parameters' gradients after summon_full_params (use_orig_params=True, with_grads=True): the shard's
   again, also after a forward that leaves units unsharded; under no_sync(), the accumulated unsharded ones.
 
@@ -288,6 +289,26 @@ def _named_optimizer(uop: bool, how: str) -> None:
         ours, plain = saved[fsdp_legacy, "named"][kind], saved[fsdp_legacy, "plain"][kind]
         assert_same_osd({**ours, "param_groups": []}, {**plain, "param_groups": []}, f"named vs plain {kind}")
         assert sorted(ours["param_groups"][0]["params"]) == sorted(plain["param_groups"][0]["params"])
+    # Loaded back with is_named_optimizer=True into a named optimizer that has stepped once: the same name-keyed
+    # dicts as torch's, which the named optimizer loads, and training goes on identically.
+    for kind in (FULL, SHARDED):
+        loaded, losses = {}, {}
+        for lib in LIBS:
+            model = _recommender(lib, uop, how)
+            named = _NamedOptimizer(model.named_parameters(), torch.optim.Adam, lr=0.01)
+            step(model, named, _recommender_loss(model, 5))
+            loaded[lib] = to_load(model, named, lib, kind, saved[lib, "named"][kind], is_named_optimizer=True)
+            named.load_state_dict(loaded[lib])
+            losses[lib] = [step(model, named, _recommender_loss(model, s)) for s in range(2, 4)]
+        # (torch orders each parameter's state names as a set iterates there: it varies by process)
+        ours, theirs = ({**loaded[lib], "state": _sorted_states(loaded[lib]["state"])} for lib in LIBS)
+        assert_same_osd(ours, theirs, f"named, loaded from {kind}")
+        assert list(loaded[fsdp_legacy]["state"]) == list(loaded[torch_fsdp]["state"]), "state key order"
+        assert_same_losses([losses[torch_fsdp], losses[fsdp_legacy]], f"named, after loading {kind}")
+
+
+def _sorted_states(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {key: dict(sorted(values.items())) for key, values in state.items()}
 
 
 @pytest.mark.parametrize("how", ["ignored", "dense"])
