@@ -27,7 +27,7 @@ def converting(root: FSDPUnit, fn: Callable[[torch.Tensor], torch.Tensor]) -> It
     units = [unit for unit in fsdp_modules(root) if id(unit) not in _CONVERTING]
     for unit in units:
         for handle in unit._handles:
-            if handle.uses_buffer and handle.is_unsharded:
+            if handle.holds_gathered_copy:
                 handle.reshard()  # (a forward's unsharded copy would go stale; backward re-gathers if it needs it)
     swapped = [unit for unit in units if unit._use_orig_params and unit._handles]
     restores = [_show_flat_params(unit) for unit in swapped]

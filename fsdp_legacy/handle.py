@@ -91,6 +91,9 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         self.needs_pre_backward = False  # set in forward, cleared by the first pre-backward hook
         self.backward_task = -1  # autograd's graph task of the last backward that reached the handle
         self.kept_gathered = False  # resharded with the unsharded storage kept (finish_backward)
+        # Gathered in forward and kept for backward (the root, SHARD_GRAD_OP): the flat parameter shows its shard
+        # meanwhile, as torch's, and the pre-backward shows the kept storage again instead of gathering.
+        self.kept_for_backward = False
         self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
         self.post_backward_hooked = False  # the flat parameter's post-accumulate-grad hook is registered
@@ -300,8 +303,15 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
 
     @property
     def must_gather(self) -> bool:
-        """Neither unsharded nor being gathered (torch's `needs_unshard()`, a method: handle_torch_names.py)."""
-        return not self.is_unsharded and self.unshard_work is None
+        """Neither unsharded, nor being gathered, nor kept from forward (torch's `needs_unshard()`, a method:
+        handle_torch_names.py)."""
+        return not self.is_unsharded and self.unshard_work is None and not self.kept_for_backward
+
+    @property
+    def holds_gathered_copy(self) -> bool:
+        """The unsharded storage holds a gather this iteration may still use (shown now, or kept for backward):
+        anything that changes the shard must reshard first, so that backward gathers again."""
+        return self.uses_buffer and (self.is_unsharded or self.kept_for_backward)
 
     def start_unshard(self) -> None:
         """Issue the all-gather of the full flat parameter (asynchronously); `wait_unshard` completes it."""
@@ -325,8 +335,11 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
     def wait_unshard(self) -> None:
         if self.is_unsharded:
             return
-        self.start_unshard()
-        self._finish_unshard_work()
+        if self.kept_for_backward:
+            self.kept_for_backward = False
+        else:
+            self.start_unshard()
+            self._finish_unshard_work()
         self.flat_param.data = self.full_padded  # `.grad` may keep the sharded gradient's shape: see above
         self.is_unsharded = True
 
@@ -345,6 +358,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         name and meaning for the argument, which code passes by keyword."""
         free = free_unsharded_flat_param
         self.kept_gathered = self.uses_buffer and not free
+        self.kept_for_backward = self.kept_for_backward and not free
         self.drop_unsharded_views()
         if not self.uses_buffer:
             return
@@ -358,11 +372,21 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             self.forward_views = {}
 
     def keep_unsharded_after_forward(self) -> None:
-        """Forward is over and the unit stays gathered for backward. As in torch, SHARD_GRAD_OP keeps showing the
-        unsharded views until backward; otherwise (a FULL_SHARD root, NO_SHARD) use_orig_params=True shows the
-        original parameters again, and only the gathered buffer waits for backward."""
-        if self.use_orig_params and not (self.sharded and not self._strategy_reshards_after_forward):
+        """Forward is over and the unit stays gathered for backward. As in torch, the flat parameter shows its local
+        shard until then (the gathered storage waits aside); SHARD_GRAD_OP keeps showing the unsharded views of the
+        original parameters (torch's `_skipped_use_sharded_views`), otherwise (a FULL_SHARD root, NO_SHARD)
+        use_orig_params=True shows the original parameters again."""
+        if self.use_orig_params and not self.skipped_sharded_views_after_forward:
             self.drop_unsharded_views()
+        if self.uses_buffer and self.is_unsharded:
+            self.flat_param.data = self.local_shard
+            self.is_unsharded = False
+            self.kept_for_backward = True
+
+    @property
+    def skipped_sharded_views_after_forward(self) -> bool:
+        """use_orig_params with a strategy that keeps the gather after forward: the unsharded views stay shown."""
+        return self.use_orig_params and self.sharded and not self._strategy_reshards_after_forward
 
     # ----------------------------------------------------------------------------------------------------------------
     # Views of the original parameters

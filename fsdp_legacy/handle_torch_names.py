@@ -54,6 +54,11 @@ class TorchHandleNames:
     full_padded: torch.Tensor
     _strategy_reshards_after_forward: bool
     _fully_sharded_module: nn.Module  # the module the handle's FSDP unit wraps (torch's "fully sharded module")
+    kept_for_backward: bool
+
+    @property
+    def skipped_sharded_views_after_forward(self) -> bool:
+        raise NotImplementedError  # (FlatParamHandle)
 
     @property
     def must_gather(self) -> bool:
@@ -139,6 +144,16 @@ class TorchHandleNames:
     def is_sharded(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` has the size of this rank's shard of the flat parameter; always False for NO_SHARD."""
         return self.sharded and tensor.size() == torch.Size([self.layout.shard_numel])
+
+    @property
+    def _skipped_use_sharded_views(self) -> bool:
+        """Between forward and backward of a use_orig_params unit that keeps its gather (SHARD_GRAD_OP): the original
+        parameters still show the unsharded views while the flat parameter shows its shard."""
+        return self.kept_for_backward and self.skipped_sharded_views_after_forward
+
+    @property
+    def _unsharded_flat_param_for_skipped_views(self) -> torch.Tensor | None:
+        return self.full_padded[: self.layout.numel] if self._skipped_use_sharded_views else None
 
     def _get_padded_unsharded_flat_param(self) -> torch.Tensor:
         """The buffer the flat parameter is gathered into, padded, its storage freed (size 0) while resharded: code

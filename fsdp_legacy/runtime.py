@@ -151,11 +151,11 @@ class Runtime:
             self.iteration_done = False
             self.frozen_runs.clear()
             # A unit gathered ahead (a group, a prefetch) that the last iteration did not run, or whose unsharded
-            # storage a backward with create_graph=True kept: its gather may predate an optimizer step or a load, so
-            # it is dropped rather than used.
+            # storage a backward with create_graph=True (or a forward whose backward never came) kept: its gather
+            # may predate an optimizer step or a load, so it is dropped rather than used.
             for unit in self.units:
                 for handle in unit._handles:
-                    if handle.unshard_work is not None or handle.kept_gathered:
+                    if handle.unshard_work is not None or handle.kept_gathered or handle.kept_for_backward:
                         self._reshard(handle)
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
         self.full_precision_eval = not self.root.training and full_precision_eval_requested()

@@ -497,7 +497,7 @@ def _read_all(
 ) -> None:
     pieces = [{p.info: p for p in h.layout.shard_pieces(h.rank)} if h.sharded else {} for h in handles]
     for handle in handles:
-        if handle.sharded and handle.is_unsharded:
+        if handle.sharded and handle.holds_gathered_copy:
             handle.reshard()  # an unsharded copy left from forward would go stale
     for entry in entries:
         key = chosen.get(entry.key)

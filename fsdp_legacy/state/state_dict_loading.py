@@ -103,7 +103,7 @@ def _load_handle(
     missing_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    if handle.sharded and handle.is_unsharded:
+    if handle.sharded and handle.holds_gathered_copy:
         handle.reshard()  # an unsharded copy left from forward would go stale; backward re-gathers if it needs it
     # Take the flat parameter's entries out: they are loaded (and reported missing) here, not by nn.Module.
     flat_key = wrapped + handle.flat_name

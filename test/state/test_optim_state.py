@@ -439,8 +439,6 @@ def _deprecated_api(uop: bool) -> None:
     if not uop:
         with pytest.raises(ValueError, match="use_orig_params=False"):
             FSDP.rekey_optim_state_dict(full, fsdp_legacy.OptimStateKeyType.PARAM_ID, ours)
-    with pytest.raises(NotImplementedError, match="is_named_optimizer"):
-        FSDP.optim_state_dict_to_load(ours, ours_opt, full, is_named_optimizer=True)
     wrong = {
         **full,
         "state": {**full["state"], "l1.weight": {**full["state"]["l1.weight"], "exp_avg": torch.zeros(2, 2)}},

@@ -19,10 +19,6 @@ observes the tensor views themselves instead).
 Left out until ours gives torch's answer (each was reported with a reproduction):
 - `FSDP_USE_UNSAFE_SETATTR` (`_flat_param._FSDP_USE_UNSAFE_SETATTR`, test_fsdp_misc's test_unsafe_setattr): torch
   sets the views through a module's `__setattr__` unless it is "1", ours never does;
-- after the forward of a unit that keeps its parameters gathered for backward (the root; SHARD_GRAD_OP units), torch
-  points the flat parameter back at `_local_shard` (full precision) while keeping the gathered storage, ours leaves
-  it on the gathered (low-precision) flat parameter, which test_fsdp_mixed_precision's nested SHARD_GRAD_OP case
-  observes.
 """
 
 from __future__ import annotations
@@ -300,6 +296,52 @@ def test_original_params_after_forward_are_the_sharded_views(strategy: str) -> N
                 whole = strategy == "NO_SHARD" or (strategy == "SHARD_GRAD_OP" and stage != "after step")
                 start, end = (0, len(seen[full][name])) if whole else pieces[rank][name]
                 assert values == pytest.approx(seen[full][name][start:end]), (rank, stage, name)
+
+
+def _flat_params_kept_for_backward(strategy: str, use_orig_params: bool, mixed: bool) -> dict[str, Any]:
+    fsdp = _fsdp()
+    policy = fsdp.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16) if mixed else None
+    options = dict(sharding_strategy=fsdp.ShardingStrategy[strategy], use_orig_params=use_orig_params)
+    inner = _AccessModel()
+    inner.lin1 = _FSDP(inner.lin1, mixed_precision=policy, **options)  # a nested unit, and the root with lin2
+    model = _FSDP(inner, mixed_precision=policy, **options)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.arange(10.0).view(2, 5) / 10 + dist.get_rank()
+
+    def flat_params() -> list[dict[str, Any]]:
+        rows = []
+        for unit in _units(model):
+            handle = unit._handle
+            rows.append(
+                {
+                    "shape, dtype": (tuple(handle.flat_param.shape), handle.flat_param.dtype),
+                    "is the local shard": handle.flat_param.data_ptr() == handle.flat_param._local_shard.data_ptr(),
+                    "gathered storage kept": handle._get_padded_unsharded_flat_param().untyped_storage().size() > 0,
+                    "_skipped_use_sharded_views": handle._skipped_use_sharded_views,
+                }
+            )
+        return rows
+
+    seen: dict[str, Any] = {}
+    for step in range(2):
+        out = model(x)
+        seen[f"between forward and backward, step {step}"] = flat_params()
+        out.sum().backward()
+        seen[f"after backward, step {step}"] = flat_params()
+        optim.step()
+        optim.zero_grad()
+    seen["full after"] = _full_params(model)
+    return seen
+
+
+@parameterized.expand([(s, uop) for s in ("FULL_SHARD", "SHARD_GRAD_OP") for uop in (False, True)])
+def test_flat_param_shows_its_shard_while_kept_for_backward(strategy: str, use_orig_params: bool) -> None:
+    """Mirrors test_fsdp_mixed_precision.py's nested SHARD_GRAD_OP case: after the forward of a unit that keeps its
+    parameters gathered for backward (the root; SHARD_GRAD_OP units), the flat parameter is its full-precision local
+    shard again while the gathered storage waits for backward (with use_orig_params and SHARD_GRAD_OP the original
+    parameters keep the unsharded views: `_skipped_use_sharded_views`); training goes on as torch's."""
+    for mixed in (False, True):
+        _run(_flat_params_kept_for_backward, strategy, use_orig_params, mixed)
 
 
 def _writeback(change_first_weight: bool, change_data: bool) -> dict[str, Any]:

@@ -87,9 +87,9 @@ def _unit_rows(model: nn.Module, sharded_sizes: list[torch.Size], stage: str) ->
             "_fsdp_wrapped_module is module": unit._fsdp_wrapped_module is unit.module,
             **{name: getattr(unit, name) for name in torch_runtime.HOMOGENEOUS_ATTR_NAMES},
             **_handle_row(unit, sharded_size),
+            "is_sharded(flat_param)": unit._handle.is_sharded(unit._handle.flat_param),  # (after forward too)
+            "_skipped_use_sharded_views": unit._handle._skipped_use_sharded_views,
         }
-        if stage != "forward":  # (a unit kept gathered for backward shows its unsharded flat parameter there)
-            row["is_sharded(flat_param)"] = unit._handle.is_sharded(unit._handle.flat_param)
         rows.append(row)
     if model._is_root:  # torch sets `_all_handles` on the root at lazy init
         rows.append({"_all_handles": [[h is u._handle for u in _units(model)] for h in model._all_handles]})
