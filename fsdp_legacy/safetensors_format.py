@@ -15,6 +15,7 @@ import os
 import re
 import struct
 import uuid
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "SAFE_WEIGHTS",
     "SAVED_AT",
     "SAVE_ID",
+    "DATA_CRC32",
     "SafetensorsHeader",
     "SafetensorsWriter",
     "Stored",
@@ -39,6 +41,7 @@ __all__ = [
     "parse_size",
     "plan_shards",
     "pread_into",
+    "data_crc32",
     "read_safetensors_header",
     "shard_names",
     "write_index",
@@ -60,6 +63,11 @@ _MAX_HEADER = 100_000_000  # the safetensors package refuses longer headers
 # name different ones was mixed from several saves.
 SAVE_ID = "fsdp_legacy_save_id"
 SAVED_AT = "fsdp_legacy_saved_at"  # when the save began, seconds since the epoch: which save is newest (latest.py)
+# The CRC-32 of the file's data (every byte after the header), 8 hex digits: safetensors itself has no checksum, so a
+# flipped bit in tensor data would load silently. Written last, into a placeholder of the same length in the header.
+DATA_CRC32 = "fsdp_legacy_data_crc32"
+_CRC_PLACEHOLDER = "--------"
+_READ_BLOCK = 16 * 2**20
 
 
 def parse_size(size: int | str) -> int:
@@ -117,8 +125,11 @@ class SafetensorsWriter:
         path: str,
         tensors: Sequence[tuple[str, Sequence[int], torch.dtype]],
         metadata: Mapping[str, str] | None = None,
+        checksum: bool = False,
     ) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        """`checksum`: the header gets DATA_CRC32, filled by `seal()` once every byte is written."""
+        extra = {DATA_CRC32: _CRC_PLACEHOLDER} if checksum else {}
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {}), **extra}}
         self.offsets: dict[str, tuple[int, torch.dtype]] = {}
         offset = 0
         for key, shape, dtype in tensors:
@@ -131,7 +142,9 @@ class SafetensorsWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.data_start = 8 + len(encoded)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        pair = f'"{DATA_CRC32}":"{_CRC_PLACEHOLDER}"'.encode()  # where seal() writes the CRC-32's digits
+        self._crc_at = 8 + encoded.index(pair) + len(pair) - 1 - len(_CRC_PLACEHOLDER) if extra else None
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # (read back by seal())
         try:
             _pwrite(self.fd, struct.pack("<Q", len(encoded)) + encoded, 0)
             os.ftruncate(self.fd, self.data_start + offset)
@@ -149,8 +162,24 @@ class SafetensorsWriter:
             _pwrite(self.fd, chunk.view(torch.uint8).numpy().data, position)
             position += chunk.numel() * dtype.itemsize
 
+    def seal(self) -> None:
+        """Every tensor is written: put the data's CRC-32 into the header (read back from the file, since the pieces
+        arrive in any order)."""
+        if self._crc_at is not None:
+            crc = data_crc32(self.fd, self.data_start)
+            _pwrite(self.fd, f"{crc:08x}".encode(), self._crc_at)
+
     def close(self) -> None:
         os.close(self.fd)
+
+
+def data_crc32(fd: int, data_start: int) -> int:
+    """The CRC-32 of an open file's bytes from `data_start` to its end."""
+    crc, position = 0, data_start
+    while block := os.pread(fd, _READ_BLOCK, position):
+        crc = zlib.crc32(block, crc)
+        position += len(block)
+    return crc
 
 
 def _pwrite(fd: int, data: Any, position: int) -> None:
@@ -182,10 +211,27 @@ class Stored:
 class SafetensorsHeader:
     tensors: dict[str, Stored]
     metadata: dict[str, str]
+    data_start: int  # the first byte after the header
 
     @property
     def save_id(self) -> str | None:
         return self.metadata.get(SAVE_ID)
+
+    def data_crc_problem(self, path: str) -> str | None:
+        """None when the file's data matches the CRC-32 its header records (or it records none), else why not."""
+        recorded = self.metadata.get(DATA_CRC32)
+        if recorded is None:
+            return None
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            actual = f"{data_crc32(fd, self.data_start):08x}"
+        finally:
+            os.close(fd)
+        if actual == recorded:
+            return None
+        if recorded == _CRC_PLACEHOLDER:
+            return f"{path} was never sealed: the save that wrote it did not finish"
+        return f"{path}: its tensor data does not match the CRC-32 its header records (the data changed after saving)"
 
 
 def read_safetensors_header(path: str) -> SafetensorsHeader:
@@ -255,7 +301,7 @@ def read_safetensors_header(path: str) -> SafetensorsHeader:
             f"{path}: {data_size - reached} bytes follow the last tensor's data: it is damaged, or not what its header "
             "says"
         )
-    return SafetensorsHeader(tensors, metadata)
+    return SafetensorsHeader(tensors, metadata, data_start)
 
 
 def pread_into(fd: int, position: int, buffer: torch.Tensor, what: str) -> None:

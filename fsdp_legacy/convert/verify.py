@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..safetensors_format import (
     BIN_INDEX,
     BIN_WEIGHTS,
+    DATA_CRC32,
     SAFE_INDEX,
     SAFE_WEIGHTS,
     SAVED_AT,
@@ -191,8 +192,19 @@ def _verify_full(path: str, share: tuple[int, int]) -> Verified:
             with open(os.path.join(path, name), "rb") as file:
                 check_archive(file, os.path.join(path, name))
         return Verified("every file present, CRC-32s of the torch.save archives, one save", None)
-    save_ids = {read_safetensors_header(os.path.join(path, name)).save_id for name in files}
+    headers = {name: read_safetensors_header(os.path.join(path, name)) for name in files}
+    for name in files[share[0] :: share[1]]:
+        problem = headers[name].data_crc_problem(os.path.join(path, name))
+        if problem is not None:
+            raise CheckpointError(problem)
+    save_ids = {header.save_id for header in headers.values()}
+    sealed = all(DATA_CRC32 in header.metadata for header in headers.values())
     return Verified(
-        "every file present, headers against sizes, one save (safetensors files carry no CRC-32)",
+        "every file present, headers against sizes, one save, "
+        + (
+            "CRC-32s of the tensor data"
+            if sealed
+            else "no CRC-32 recorded (saved by save_pretrained, or by an earlier fsdp_legacy)"
+        ),
         next(iter(save_ids)) if len(save_ids) == 1 else None,
     )

@@ -311,7 +311,7 @@ def write_full_model(
                     for shard, name in zip(shards, names, strict=True) if safe_serialization else ():
                         tensors = [(e.key, e.shape, out(e)) for e in shard]
                         metadata = {SAVE_ID: save_id, SAVED_AT: saved_at}
-                        file = SafetensorsWriter(os.path.join(tmp, name), tensors, metadata)
+                        file = SafetensorsWriter(os.path.join(tmp, name), tensors, metadata, checksum=True)
                         stack.callback(file.close)
                         files.update((entry.key, file) for entry in shard)
             except Exception as error:
@@ -319,9 +319,12 @@ def write_full_model(
         peers.agree()  # the destination is ready on rank 0, or every rank raises
         assert sources is not None
         _write_all(tmp, shards, names, sources.handles, out, files if safe_serialization else None, peers)
-        if writer and peers.failure is None and len(shards) > 1:
+        if writer and peers.failure is None:
             try:
-                _write_index(tmp, shards, names, out, safe_serialization, save_id, saved_at)
+                for file in dict.fromkeys(files.values()):  # (each file once, in order)
+                    file.seal()
+                if len(shards) > 1:
+                    _write_index(tmp, shards, names, out, safe_serialization, save_id, saved_at)
             except Exception as error:
                 peers.note(error)
         peers.agree(commit=stack.close)  # every rank's data arrived: rank 0 renames the directory into place

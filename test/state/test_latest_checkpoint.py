@@ -157,6 +157,7 @@ CASES = [
     ("local", "mixed"),
     ("local", "missing rank file"),
     ("full", "truncated"),
+    ("full", "flipped"),
     ("full", "temporary"),
     ("dcp", "two newest damaged"),
     ("local", "two newest damaged"),
