@@ -16,13 +16,15 @@ HELP = "rewrite FSDP1 programs onto FSDP2 (fully_shard) and torch.distributed.ch
 
 DESCRIPTION = """Rewrite Python programs written against torch's FSDP1 API (or fsdp_legacy's, the same names) onto
 FSDP2. `FSDP(model, ...)` becomes `fully_shard` calls over the units its auto-wrap policy picks (a meta-device model
-is materialized unit by unit as FSDP1 does), its keywords become FSDP2's (MixedPrecisionPolicy, CPUOffloadPolicy, a
-2-D mesh for HYBRID_SHARD); `clip_grad_norm_` and `no_sync()` become FSDP2's equivalents, state_dict_type blocks
-torch.distributed.checkpoint.state_dict's helpers, a summon_full_params block that only reads
-fsdp_legacy.migrate.runtime.full_params; activation checkpointing applied after wrapping moves before it. Comments
-and formatting are kept (LibCST). What cannot be mapped faithfully is left as it was and reported as
-`file:line: what: why; fix: ...` on stderr. By default the changes are printed as a unified diff; nothing is
-written."""
+is materialized unit by unit as FSDP1 does), and so does each `wrap(m)` inside `enable_wrap`; the keywords become
+FSDP2's (MixedPrecisionPolicy, CPUOffloadPolicy, a 2-D mesh for HYBRID_SHARD, also over a pair of process groups);
+`clip_grad_norm_` and `no_sync()` become FSDP2's equivalents, state_dict_type blocks and set_state_dict_type
+torch.distributed.checkpoint.state_dict's helpers, as do the optimizer-state calls (the legacy
+full_/sharded_/shard_full_/scatter_full_optim_state_dict included; rekey_optim_state_dict a helper), a
+summon_full_params block that only reads fsdp_legacy.migrate.runtime.full_params; activation checkpointing applied
+after wrapping moves before it. Comments and formatting are kept (LibCST). What cannot be mapped faithfully is left
+as it was and reported as `file:line: what: why; fix: ...` on stderr. By default the changes are printed as a
+unified diff; nothing is written."""
 
 EXAMPLES = """examples:
   fsdp-legacy migrate train.py                 # the diff, and what is left to a person

@@ -7,7 +7,7 @@ problem leaves the whole construction as it was (a partial rewrite would train d
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -100,23 +100,60 @@ def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolv
     if not isinstance(module, (cst.Name, cst.Attribute)):
         parts.pre.append(f"{target} = {model}")
         model = target
+    keywords = _read(call.args[1:], code, fsdp1, resolve, parts, out)
+    _placement(keywords, code, parts, out)
+    if out.problems:
+        return out
+    shard = _units(model, keywords.policy, code, fsdp1, resolve, parts, out, meta)
+    if parts.buffer_dtype is not None:
+        parts.post.append(
+            f"for buffer in {model}.buffers():  # FSDP1's buffer_dtype: FSDP2 leaves buffers as they are\n"
+            f"    if buffer.is_floating_point():\n"
+            f"        buffer.data = buffer.data.to({parts.buffer_dtype})"
+        )
+    out.notes = [f"{NOTE} FSDP(...) became fully_shard (FSDP2)"] + [f"{NOTE} {n}" for n in parts.notes]
+    text = list(parts.pre)
+    if parts.kwargs:
+        text.append("fsdp_kwargs = {" + ", ".join(f'"{k}": {v}' for k, v in parts.kwargs.items()) + "}")
+    text += shard + parts.post
+    if target != model:
+        text.append(f"{target} = {model}")
+    if any(re.search(r"\bfully_shard\(", line) for line in shard):
+        out.imports.append((FSDP2, "fully_shard"))
+    out.statements = list(cst.parse_module("\n".join(text) + "\n").body)
+    return out
+
+
+@dataclass
+class _Keywords:
+    """What of FSDP(...)'s keywords decides the units and the mesh (the rest goes straight into _Parts)."""
+
     policy: cst.BaseExpression | None = None
-    strategy, mesh, group = None, None, None
-    for arg in call.args[1:]:
+    strategy: str | None = None
+    mesh: str | None = None
+    group: cst.Arg | None = None
+
+
+def _read(
+    args: Sequence[cst.Arg], code: Code, fsdp1: Fsdp1, resolve: Resolve, parts: _Parts, out: Construction
+) -> _Keywords:
+    """FSDP1's keyword arguments (after the module) into `parts`, or problems into `out`."""
+    found = _Keywords()
+    for arg in args:
         if arg.keyword is None or arg.star:
             out.problems.append(Problem(arg, "FSDP(...) with positional or ** arguments", *_UNMAPPED))
             continue
         name, value = arg.keyword.value, arg.value
         if name == "auto_wrap_policy":
-            policy = value
+            found.policy = None if isinstance(value, cst.Name) and value.value == "None" else value
         elif name == "sharding_strategy":
-            strategy = fsdp1(value)
-            if strategy is None or not strategy.startswith("ShardingStrategy."):
+            found.strategy = fsdp1(value)
+            if found.strategy is None or not found.strategy.startswith("ShardingStrategy."):
                 out.problems.append(Problem(arg, "a sharding_strategy computed at run time", *_UNMAPPED))
         elif name == "device_mesh":
-            mesh = code(value)
+            found.mesh = code(value)
         elif name == "process_group":
-            group = arg
+            found.group = arg
         elif name == "mixed_precision":
             _mixed_precision(resolve(value), value, code, fsdp1, parts, out)
         elif name == "cpu_offload":
@@ -137,39 +174,65 @@ def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolv
         else:
             why = "FSDP2 has no such argument and this tool does not map it yet"
             out.problems.append(Problem(arg, f"FSDP(..., {name}=...)", why, _UNMAPPED[1]))
-    if group is not None:
-        kind = (strategy or "ShardingStrategy.FULL_SHARD").split(".", 1)[-1]
-        if kind not in ("FULL_SHARD", "SHARD_GRAD_OP") or mesh is not None:
-            why = "a process group (or pair of groups) for hybrid sharding, NO_SHARD or beside a device_mesh"
-            fix = "build the 2-D mesh with init_device_mesh (or DeviceMesh.from_group) and pass it as mesh="
-            out.problems.append(Problem(group, "FSDP(..., process_group=...)", why, fix))
-        else:  # the ranks it shards over, as a 1-D mesh
+    return found
+
+
+def _placement(found: _Keywords, code: Code, parts: _Parts, out: Construction, mesh_name: str = "mesh") -> None:
+    """The ranks the units shard over: process_group, device_mesh and the sharding strategy as fully_shard's mesh
+    (and reshard_after_forward), built by statements named `mesh_name` where one is needed."""
+    strategy, mesh = found.strategy, found.mesh
+    kind = (strategy or "ShardingStrategy.FULL_SHARD").split(".", 1)[-1]
+    if found.group is not None:
+        group = code(found.group.value)
+        if kind in ("FULL_SHARD", "SHARD_GRAD_OP") and mesh is None:  # the ranks it shards over, as a 1-D mesh
             parts.pre.append(
-                f'mesh = DeviceMesh.from_group({code(group.value)}, "cuda" if torch.cuda.is_available() else "cpu")'
+                f'{mesh_name} = DeviceMesh.from_group({group}, "cuda" if torch.cuda.is_available() else "cpu")'
             )
-            mesh = "mesh"
             out.imports += [("torch.distributed.device_mesh", "DeviceMesh"), ("torch", None)]
-    if out.problems:
-        return out
-    _strategy(strategy, mesh, parts, out)
-    shard = _units(model, policy, code, fsdp1, resolve, parts, out, meta)
-    if parts.buffer_dtype is not None:
-        parts.post.append(
-            f"for buffer in {model}.buffers():  # FSDP1's buffer_dtype: FSDP2 leaves buffers as they are\n"
-            f"    if buffer.is_floating_point():\n"
-            f"        buffer.data = buffer.data.to({parts.buffer_dtype})"
-        )
-    out.notes = [f"{NOTE} FSDP(...) became fully_shard (FSDP2)"] + [f"{NOTE} {n}" for n in parts.notes]
-    text = list(parts.pre)
-    if parts.kwargs:
-        text.append("fsdp_kwargs = {" + ", ".join(f'"{k}": {v}' for k, v in parts.kwargs.items()) + "}")
-    text += shard + parts.post
-    if target != model:
-        text.append(f"{target} = {model}")
-    if any(re.search(r"\bfully_shard\(", line) for line in shard):
-        out.imports.append((FSDP2, "fully_shard"))
-    out.statements = list(cst.parse_module("\n".join(text) + "\n").body)
-    return out
+        elif kind in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2") and mesh is None:
+            # FSDP1 shards within the first group (intra-node) and all-reduces across the second (inter-node): the
+            # 2-D (replicate, shard) mesh over the same groups
+            parts.pre.append(f"{mesh_name} = hybrid_mesh({group})")
+            out.imports.append((RUNTIME, "hybrid_mesh"))
+        else:
+            why = "a process group for NO_SHARD, or beside a device_mesh"
+            fix = "build the mesh with init_device_mesh (or DeviceMesh.from_group) and pass it as mesh="
+            out.problems.append(Problem(found.group, "FSDP(..., process_group=...)", why, fix))
+            return
+        mesh = mesh_name
+    _strategy(strategy, mesh, parts, out, mesh_name)
+
+
+@dataclass
+class UnitKeywords:
+    """FSDP1's keywords for one unit as fully_shard's: `kwargs` (keyword -> code), the statements that must run
+    first (`pre`, a mesh), the comments, imports, and problems."""
+
+    kwargs: dict[str, str]
+    pre: list[str]
+    notes: list[str]
+    imports: list[tuple[str, str | None]]
+    problems: list[Problem]
+
+
+def unit_keywords(args: Sequence[cst.Arg], code: Code, fsdp1: Fsdp1, resolve: Resolve, mesh_name: str) -> UnitKeywords:
+    """For a unit that is one module (`wrap()`'s): keywords that would need statements around the module (a policy,
+    ignored modules, initialization, buffer_dtype's cast) are problems."""
+    parts, out = _Parts(), Construction()
+    found = _read(args, code, fsdp1, resolve, parts, out)
+    around = {
+        "auto_wrap_policy": found.policy is not None,
+        "ignored_modules/ignored_states": parts.ignored is not None,
+        "param_init_fn": parts.param_init_fn is not None,
+        "sync_module_states=True": parts.sync,
+        "MixedPrecision(buffer_dtype=...)": parts.buffer_dtype is not None,
+    }
+    for name in (name for name, present in around.items() if present):
+        why = "it needs statements around the module, which a wrap() call inside an expression cannot have"
+        out.problems.append(Problem(args[0], f"{name} for wrap()", why, "shard those modules by hand"))
+    if not out.problems:
+        _placement(found, code, parts, out, mesh_name)
+    return UnitKeywords(parts.kwargs, parts.pre, parts.notes, out.imports, out.problems)
 
 
 _UNMAPPED = (
@@ -213,7 +276,7 @@ def _cpu_offload(
     out.problems.append(Problem(written, "a cpu_offload this tool cannot read", *_UNMAPPED))
 
 
-def _strategy(strategy: str | None, mesh: str | None, parts: _Parts, out: Construction) -> None:
+def _strategy(strategy: str | None, mesh: str | None, parts: _Parts, out: Construction, mesh_name: str) -> None:
     kind = (strategy or "ShardingStrategy.FULL_SHARD").split(".", 1)[1]
     if kind in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2"):
         parts.kwargs["reshard_after_forward"] = "False"
@@ -222,13 +285,13 @@ def _strategy(strategy: str | None, mesh: str | None, parts: _Parts, out: Constr
         # every rank: both are FSDP2's 2-D (replicate, shard) mesh.
         shard = "1" if kind == "NO_SHARD" else 'int(os.environ["LOCAL_WORLD_SIZE"])'
         parts.pre.append(
-            f"mesh = init_device_mesh(\n"
+            f"{mesh_name} = init_device_mesh(\n"
             f'    "cuda" if torch.cuda.is_available() else "cpu",\n'
             f"    (torch.distributed.get_world_size() // {shard}, {shard}),\n"
             f'    mesh_dim_names=("replicate", "shard"),\n'
             f")"
         )
-        mesh = "mesh"
+        mesh = mesh_name
         out.imports += [("torch.distributed.device_mesh", "init_device_mesh"), ("torch", None), ("os", None)]
     if mesh is not None:
         parts.kwargs["mesh"] = mesh
@@ -245,8 +308,6 @@ def _units(
     meta: bool,
 ) -> list[str]:
     """The fully_shard calls: over the policy's classes, through apply_fully_shard, or the root alone."""
-    if isinstance(policy, cst.Name) and policy.value == "None":
-        policy = None
     classes = None if policy is None else _policy_classes(resolve(policy), code, fsdp1)
     if parts.param_init_fn is not None or meta or (classes is None and policy is not None):
         return [_through_runtime(model, policy, code, parts, out, meta)]

@@ -48,7 +48,9 @@ FSDP1_NAMES = WRAP_POLICIES | {
 }
 
 # Attributes that only exist inside FSDP1's implementation.
-PRIVATE_ATTRIBUTES = frozenset({"_flat_param", "_handle", "_handles", "_fsdp_wrapped_module", "_fsdp_handles"})
+PRIVATE_ATTRIBUTES = frozenset(
+    {"_flat_param", "_handle", "_handles", "_fsdp_wrapped_module", "_fsdp_handles", "_wrap_overrides"}
+)
 
 # Methods only an FSDP1 instance has (no_sync is DDP's too, so it is not here).
 FSDP1_METHODS = frozenset({"clip_grad_norm_", "summon_full_params", "fsdp_modules", "check_is_root"})
@@ -65,6 +67,11 @@ def fsdp1_name(qualified: str) -> str | None:
 
 
 _FSDP = "FullyShardedDataParallel."
+_MANUAL_WRAP = (
+    "manual wrapping is mapped only when every wrap() of the file is written inside an `enable_wrap(wrapper_cls=FSDP, "
+    "...)` block whose keywords fully_shard can take (the other findings of this file say what stopped it)"
+)
+_MANUAL_WRAP_FIX = "call `fully_shard(module, ...)` on each module `wrap()` wrapped, children first"
 
 # name -> (why it is left, the manual fix). Anything FSDP1 not listed gets the generic wording.
 _ADVICE: dict[str, tuple[str, str]] = {
@@ -75,30 +82,44 @@ _ADVICE: dict[str, tuple[str, str]] = {
         "change each DTensor parameter's local shard (`p.to_local()`) or load a state dict",
     ),
     _FSDP + "full_optim_state_dict": (
-        "the legacy API keys state by parameter index and FSDP2 has no equivalent format",
-        "`get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))` "
-        "(keyed by FQN); convert saved files with `fsdp-legacy convert`",
+        "mapped only as `FSDP.full_optim_state_dict(model, optim[, rank0_only=True/False])` (optim_input and group "
+        "have no FSDP2 counterpart)",
+        "`get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))`: "
+        "rank 0's full state keyed by FQN, as FSDP1's (without cpu_offload: every rank's)",
     ),
     _FSDP + "sharded_optim_state_dict": (
-        "the legacy API's sharded format has no FSDP2 counterpart",
-        "`get_optimizer_state_dict(model, optim)` and save it with torch.distributed.checkpoint",
+        "mapped only as `FSDP.sharded_optim_state_dict(model, optim)`",
+        "`get_optimizer_state_dict(model, optim, options=StateDictOptions(cpu_offload=True))`, saved with "
+        "torch.distributed.checkpoint",
     ),
     _FSDP + "shard_full_optim_state_dict": (
-        "the legacy API's input is keyed by parameter index",
-        "`set_optimizer_state_dict(model, optim, osd, options=StateDictOptions(full_state_dict=True))` with an "
-        "FQN-keyed state dict (`fsdp-legacy convert` rewrites saved files)",
+        "mapped only where its result is loaded: `optim.load_state_dict(FSDP.shard_full_optim_state_dict(...))`, or "
+        "through a name used only by a later `optim.load_state_dict(name)` in the same block",
+        "`set_optimizer_state_dict(model, optim, unshared_optim_state(osd), options=StateDictOptions("
+        "full_state_dict=True))` (unshared_optim_state: fsdp_legacy.migrate.runtime)",
     ),
     _FSDP + "scatter_full_optim_state_dict": (
-        "the legacy API's input is keyed by parameter index",
-        "`set_optimizer_state_dict(model, optim, osd, options=StateDictOptions(full_state_dict=True, "
-        "broadcast_from_rank0=True))` with an FQN-keyed state dict",
+        "mapped only where its result is loaded: `optim.load_state_dict(FSDP.scatter_full_optim_state_dict(...))`, "
+        "or through a name used only by a later `optim.load_state_dict(name)` in the same block",
+        "`set_optimizer_state_dict(model, optim, unshared_optim_state(osd), options=StateDictOptions("
+        "full_state_dict=True, broadcast_from_rank0=True))`: rank 0's dict is sent, the others' ignored",
+    ),
+    _FSDP + "flatten_sharded_optim_state_dict": (
+        "mapped only where its result is loaded by `optim.load_state_dict(...)`",
+        "`set_optimizer_state_dict(model, optim, osd)` with the sharded dict (get_optimizer_state_dict + DCP load)",
+    ),
+    _FSDP + "optim_state_dict_to_load": (
+        "mapped only where its result is loaded by `optim.load_state_dict(...)` (nested, or through a name)",
+        "`set_optimizer_state_dict(model, optim, osd, options=StateDictOptions(...))`, which loads",
     ),
     _FSDP + "rekey_optim_state_dict": (
-        "FSDP2's optimizer state dicts are keyed by FQN already",
-        "drop the rekeying and load with `set_optimizer_state_dict`",
+        "mapped only with its key type written as OptimStateKeyType.PARAM_NAME or PARAM_ID, and no optim_input",
+        '`rekey_optim_state_dict(osd, "PARAM_NAME" or "PARAM_ID", model, optim=optim)` from '
+        "fsdp_legacy.migrate.runtime",
     ),
     _FSDP + "set_state_dict_type": (
-        "a state-dict type set for the rest of the program is not followed through the code by this slice",
+        "followed only when it is the model's one setter, a statement of its own with configs this tool reads, and "
+        "every state-dict call on the model comes after it in its block",
         "use `get_model_state_dict`/`set_model_state_dict` with `StateDictOptions` at each call",
     ),
     "StateDictType.LOCAL_STATE_DICT": (
@@ -111,8 +132,8 @@ _ADVICE: dict[str, tuple[str, str]] = {
         "offload_to_cpu without rank0_only)",
         "use `get_/set_model_state_dict` and `get_/set_optimizer_state_dict` with `StateDictOptions`",
     ),
-    "enable_wrap": ("manual wrapping is not mapped", "call `fully_shard(module)` on each module `wrap()` wrapped"),
-    "wrap": ("manual wrapping is not mapped", "call `fully_shard(module)` on each module `wrap()` wrapped"),
+    "enable_wrap": (_MANUAL_WRAP, _MANUAL_WRAP_FIX),
+    "wrap": (_MANUAL_WRAP, _MANUAL_WRAP_FIX),
 }
 
 

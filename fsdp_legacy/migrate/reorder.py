@@ -81,15 +81,15 @@ def _checkpointing_before(
     bound: set[str] = set()
     for index in range(end, len(body)):
         statement = body[index]
-        if checkpointing.get(id(statement)) == info.model and not (_names(statement) & bound):
+        if checkpointing.get(id(statement)) == info.model and not (names_in(statement) & bound):
             del body[index]
             note = f"{NOTE} activation checkpointing moved before fully_shard, the order FSDP2 composes with"
             body.insert(start, _note(statement, note))
             return
-        bound |= _bound(statement)
+        bound |= bound_names(statement)
 
 
-def _names(node: cst.CSTNode) -> set[str]:
+def names_in(node: cst.CSTNode) -> set[str]:
     found: set[str] = set()
 
     class _Names(cst.CSTVisitor):
@@ -100,25 +100,25 @@ def _names(node: cst.CSTNode) -> set[str]:
     return found
 
 
-def _bound(node: cst.CSTNode) -> set[str]:
+def bound_names(node: cst.CSTNode) -> set[str]:
     """Names a statement binds (assignments, loops, with-as, imports, definitions)."""
     found: set[str] = set()
 
     class _Bound(cst.CSTVisitor):
         def visit_AssignTarget(self, target: cst.AssignTarget) -> None:
-            found.update(_names(target))
+            found.update(names_in(target))
 
         def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-            found.update(_names(node.target))
+            found.update(names_in(node.target))
 
         def visit_AugAssign(self, node: cst.AugAssign) -> None:
-            found.update(_names(node.target))
+            found.update(names_in(node.target))
 
         def visit_For(self, node: cst.For) -> None:
-            found.update(_names(node.target))
+            found.update(names_in(node.target))
 
         def visit_AsName(self, node: cst.AsName) -> None:
-            found.update(_names(node.name))
+            found.update(names_in(node.name))
 
         def visit_ImportAlias(self, node: cst.ImportAlias) -> None:
             found.add(code_of(node.asname.name if node.asname else node.name).split(".")[0])

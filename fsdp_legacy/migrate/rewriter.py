@@ -16,114 +16,56 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import construction, summon
+from . import construction, optim_state, summon
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .leftovers import LeftoverFinder
-from .names import FSDP1_IMPORT_MODULES, fsdp1_name
-from .reorder import Placed, reorder
+from .manual_wrap import ManualWrap
+from .names import fsdp1_name
+from .reorder import Placed, bound_names, names_in, reorder
 from .report import Finding, MigrationResult
+from .state_dict_type import BLOCK, SetTypes, TypeOptions, parse
+from .survey import Survey, is_checkpointing
 
 _FSDP = "FullyShardedDataParallel"
 _FULL = "StateDictOptions(full_state_dict=True)"  # FSDP1's default state-dict type: FULL, on every rank
-_AC = "apply_activation_checkpointing"
-
-
-def _is_checkpointing(qualified: set[str]) -> bool:
-    return any(q == _AC or q.endswith("." + _AC) for q in qualified)
 
 
 @dataclass(frozen=True)
-class _StateDictBlock:
-    """An active `with FSDP.state_dict_type(model, ...)`: the StateDictOptions code for the model and the optimizer."""
+class _PendingLoad:
+    """`name = FSDP.<to-load API>(...)`, waiting in its block for the `optim.load_state_dict(name)` it feeds."""
 
-    model: str
-    model_options: str
-    optim_options: str
-
-
-class _Survey(cst.CSTVisitor):
-    """What the rewrite needs to know about the whole file first: the wrapped models' names, single assignments
-    (to read a policy or a config assigned to a name), how often each name occurs, the FSDP1 imports, the functions
-    that apply activation checkpointing, and whether the file names the meta device."""
-
-    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.models: set[str] = set()
-        self.assigned: dict[str, list[tuple[cst.SimpleStatementLine, cst.BaseExpression]]] = {}
-        self.name_count: Counter[str] = Counter()
-        self.fsdp1_imports: list[tuple[str, str, str | None]] = []
-        self.checkpointing_functions: set[str] = set()
-        self.meta = False
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        """A function that only applies activation checkpointing (besides local names, prints and its docstring)
-        can move with its call; one that does more cannot."""
-        body = node.body.body if isinstance(node.body, cst.IndentedBlock) else ()
-        if all(isinstance(statement, cst.SimpleStatementLine) for statement in body):
-            kinds = [self._kind(small) for st in cast(Sequence[cst.SimpleStatementLine], body) for small in st.body]
-            if "checkpointing" in kinds and "other" not in kinds:
-                self.checkpointing_functions.add(node.name.value)
-
-    def _kind(self, small: cst.BaseSmallStatement) -> str:
-        if isinstance(small, cst.Assign) and all(isinstance(t.target, cst.Name) for t in small.targets):
-            return "local"
-        if isinstance(small, cst.Expr) and isinstance(small.value, (cst.SimpleString, cst.ConcatenatedString)):
-            return "docstring"
-        if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
-            func = small.value.func
-            if _is_checkpointing(self._qualified(func)):
-                return "checkpointing"
-            if isinstance(func, cst.Name) and func.value == "print":
-                return "print"
-        return "other"
-
-    def _qualified(self, node: cst.CSTNode) -> set[str]:
-        return {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}
-
-    def visit_SimpleString(self, node: cst.SimpleString) -> None:
-        self.meta |= node.evaluated_value == "meta"
-
-    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
-        for small in node.body:
-            if isinstance(small, cst.Assign) and len(small.targets) == 1:
-                target = small.targets[0].target
-                if isinstance(target, cst.Name):
-                    self.assigned.setdefault(target.value, []).append((node, small.value))
-                if isinstance(small.value, cst.Call) and self._is_fsdp(small.value.func):
-                    self.models.add(cst.Module([]).code_for_node(target))
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.name_count[node.value] += 1
-
-    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
-        module = cst.Module([]).code_for_node(node.module) if node.module else ""
-        if module in FSDP1_IMPORT_MODULES and not isinstance(node.names, cst.ImportStar):
-            for alias in node.names:
-                asname = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else None
-                self.fsdp1_imports.append((module, cst.Module([]).code_for_node(alias.name), asname))
-
-    def _is_fsdp(self, node: cst.CSTNode) -> bool:
-        return any(fsdp1_name(q.name) == _FSDP for q in self.get_metadata(QualifiedNameProvider, node, set()))
+    name: str
+    call: cst.Call
+    loading: optim_state.Load
+    options: str
+    names: set[str]  # the names its arguments use
 
 
 class Fsdp1ToFsdp2(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ParentNodeProvider)
 
-    def __init__(self, module: cst.Module, survey: _Survey, context: CodemodContext) -> None:
+    def __init__(
+        self, module: cst.Module, survey: Survey, set_types: SetTypes, wraps: ManualWrap, context: CodemodContext
+    ) -> None:
         super().__init__()
         self.module = module
         self.survey = survey
+        self.set_types = set_types  # set_state_dict_type followed through the file (state_dict_type.py)
+        self.wraps = wraps.plan  # enable_wrap / wrap (manual_wrap.py)
         self.context = context
-        self.findings: list[Finding] = []
-        self.consumed: set[cst.CSTNode] = set()  # original nodes a rewrite (or a specific finding) accounts for
-        self.blocks: list[_StateDictBlock] = []
-        self.unwrap: dict[
-            cst.With, str
-        ] = {}  # with-statements to replace by their body: "state_dict" or no_sync's model
+        self.findings: list[Finding] = [*set_types.findings, *self.wraps.findings]
+        # original nodes a rewrite (or a specific finding) accounts for
+        self.consumed: set[cst.CSTNode] = {*set_types.left, *self.wraps.consumed}
+        for module_name, obj in self.wraps.imports if self.wraps.calls or self.wraps.headers else ():
+            self.need(module_name, obj)
+        # the state_dict_type blocks around the node: (model, options), None where FSDP2 has no such options
+        self.blocks: list[tuple[str, TypeOptions | None]] = []
+        self.kept_blocks: set[cst.With] = set()
+        self.unwrap: dict[cst.With, str] = {}  # with-statements to replace by their body: "state_dict", no_sync's model
         self.removed: set[str] = set()  # code of dead policy assignments, taken out by a second pass
-        self.pending_loads: dict[str, str] = {}  # name of an optim_state_dict_to_load result -> its optimizer's code
+        self.load_defs: dict[int, _PendingLoad] = {}  # id(statement) -> the to-load call it assigns
+        self.load_uses: dict[int, tuple[str, str]] = {}  # id(`optim.load_state_dict(name)`) -> (optim, name)
+        self.dropped: dict[int, list[str]] = {}  # id(statement) -> the comments left where it is taken out
         self.constructions: dict[int, Placed] = {}  # id(first new statement) -> what it shards
         self.checkpointing: dict[int, str] = {}  # id(statement applying activation checkpointing) -> its model
         self.summons: dict[cst.With, cst.Call] = {}  # summon_full_params blocks that only read -> full_params(...)
@@ -138,10 +80,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         return next((n for n in names if n), None)
 
     def value_of(self, node: cst.BaseExpression) -> cst.BaseExpression:
-        """A name the file assigns exactly once, as its value; anything else as it is."""
-        if isinstance(node, cst.Name) and len(self.survey.assigned.get(node.value, [])) == 1:
-            return self.survey.assigned[node.value][0][1]
-        return node
+        return self.survey.value_of(node)
 
     def line(self, node: cst.CSTNode) -> int:
         return self.get_metadata(PositionProvider, node).start.line
@@ -160,38 +99,78 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
 
     def leave_SimpleStatementLine(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
-    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement] | cst.RemovalSentinel:
+    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
         if len(original.body) != 1:
             return updated
         small = original.body[0]
+        if original in self.set_types.followed:
+            setter, options = self.set_types.followed[original]
+            self.consumed.add(setter)
+            for arg in setter.args[2:]:  # configs assigned to a name used only here
+                if isinstance(arg.value, cst.Name):
+                    self._drop_if_dead(arg.value.value)
+            model = options.model
+            note = f"{NOTE} FSDP.set_state_dict_type({model}, ...) taken out: the state-dict calls on {model} below"
+            self.dropped[id(updated)] = [note + " take its options"]
         if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.value, cst.Call):
             target, call = small.targets[0].target, small.value
             if self.fsdp1(call.func) == _FSDP:
                 return self._construction(original, updated, self.code(target), call)
-            if self.fsdp1(call.func) == f"{_FSDP}.optim_state_dict_to_load" and isinstance(target, cst.Name):
-                rewritten = self._optim_load(call)
-                if rewritten is not None:
-                    self.pending_loads[target.value] = self.code(call.args[1].value)
-                    return updated.with_changes(body=[cst.Expr(rewritten)])
+            if optim_state.api_of(self.fsdp1(call.func)) in optim_state.LOADS and isinstance(target, cst.Name):
+                self._load_def(original, updated, target.value, call)
         if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
-            call = small.value
-            if (
-                isinstance(call.func, cst.Attribute)
-                and call.func.attr.value == "load_state_dict"
-                and len(call.args) == 1
-                and isinstance(call.args[0].value, cst.Name)
-                and self.pending_loads.get(call.args[0].value.value) == self.code(call.func.value)
-            ):
-                del self.pending_loads[call.args[0].value.value]
-                return cst.RemovalSentinel.REMOVE  # set_optimizer_state_dict above loaded it
-            self._checkpointing(call, updated)
+            self._checkpointing(small.value, updated)
+            now = updated.body[0]
+            if isinstance(now, cst.Expr) and isinstance(now.value, cst.Call):
+                func, args = now.value.func, now.value.args
+                if isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(args) == 1:
+                    if isinstance(args[0].value, cst.Name) and not args[0].keyword:
+                        self.load_uses[id(updated)] = (self.code(func.value), args[0].value.value)
         return updated
+
+    def _load_def(
+        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, name: str, call: cst.Call
+    ) -> None:
+        """Note `name = FSDP.<to-load API>(...)`; the block pairs it with its load_state_dict (_pair_loads)."""
+        api = cast(str, optim_state.api_of(self.fsdp1(call.func)))
+        loading = optim_state.load(api, call, self.code)
+        if isinstance(loading, optim_state.Refusal):
+            self.report(call, loading.what, loading.why, loading.fix)
+            return
+        options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
+        if options is None:
+            return  # the model's state-dict type is left to a person (reported)
+        uses = self._count_in_scope(name, original)
+        if uses != 2:  # the assignment and the load
+            why = (
+                f"`{name}` is never used"
+                if uses < 2
+                else f"`{name}` is used elsewhere too, where only `optimizer.load_state_dict({name})` has an FSDP2 form"
+            )
+            self.report(call, f"`{name} = FSDP.{api}(...)`", why, optim_state.Refusal("", "").fix)
+            return
+        names = set().union(*(names_in(a.value) for a in call.args))
+        self.load_defs[id(updated)] = _PendingLoad(name, call, loading, options, names)
+
+    def _count_in_scope(self, name: str, node: cst.CSTNode) -> int:
+        """How often `name` occurs in the function (or module) holding `node`, functions inside it included."""
+        scope: cst.CSTNode | None = node
+        while scope is not None and not isinstance(scope, (cst.FunctionDef, cst.Module)):
+            scope = self.get_metadata(ParentNodeProvider, scope, None)
+        found = Counter[str]()
+
+        class _Count(cst.CSTVisitor):
+            def visit_Name(self, n: cst.Name) -> None:
+                found[n.value] += 1
+
+        (scope or node).visit(_Count())
+        return found[name]
 
     def _checkpointing(self, call: cst.Call, statement: cst.BaseStatement) -> None:
         """Note a statement that applies activation checkpointing to a model (reorder.py may move it)."""
         qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, call.func, set())}
         local = isinstance(call.func, cst.Name) and call.func.value in self.survey.checkpointing_functions
-        if (_is_checkpointing(qualified) or local) and call.args and not call.args[0].keyword:
+        if (is_checkpointing(qualified) or local) and call.args and not call.args[0].keyword:
             self.checkpointing[id(statement)] = self.code(call.args[0].value)
 
     def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
@@ -210,7 +189,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if built.problems:
             for problem in built.problems:
                 self.findings.append(Finding(self.line(problem.node), problem.what, problem.why, problem.fix))
-            return updated
+            return original  # as written: a MixedPrecision(...) among its keywords stays FSDP1's too
         for module, obj in built.imports:
             self.need(module, obj)
         for arg in call.args:  # a policy assigned to a name used only here: its assignment is dead now
@@ -233,10 +212,61 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             RemoveImportsVisitor.remove_unused_import(self.context, "functools")
 
     def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
-        return updated.with_changes(body=reorder(list(updated.body), self.constructions, self.checkpointing, self.code))
+        return updated.with_changes(body=self._block(list(updated.body)))
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
-        return updated.with_changes(body=reorder(list(updated.body), self.constructions, self.checkpointing, self.code))
+        return updated.with_changes(body=self._block(list(updated.body)))
+
+    def _block(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        """A block's statements once its own have been rewritten: to-load calls paired with their loads, statements
+        taken out (their comments kept), and the moves around constructions made."""
+        self._pair_loads(body)
+        kept: list[cst.BaseStatement] = []
+        carried: list[cst.EmptyLine] = []
+        for statement in body:
+            notes = self.dropped.get(id(statement))
+            if notes is not None:
+                assert isinstance(statement, cst.SimpleStatementLine)
+                carried += [*statement.leading_lines, *(cst.EmptyLine(comment=cst.Comment(n)) for n in notes)]
+                continue
+            kept.append(_with_leading(statement, carried) if carried else statement)
+            carried = []
+        if carried or not kept:
+            kept.append(cst.SimpleStatementLine([cst.Pass()], leading_lines=carried))
+        return reorder(kept, self.constructions, self.checkpointing, self.code)
+
+    def _pair_loads(self, body: list[cst.BaseStatement]) -> None:
+        """`name = FSDP.<to-load API>(...)` and, later in the block, `optim.load_state_dict(name)` become one
+        set_optimizer_state_dict where the load was (the names the call reads not rebound in between)."""
+        for index, statement in enumerate(body):
+            pending = self.load_defs.pop(id(statement), None)
+            if pending is None:
+                continue
+            for later in range(index + 1, len(body)):
+                use = self.load_uses.get(id(body[later]))
+                if use is not None and use[1] == pending.name:
+                    self._pair(pending, use[0], body, index, later)
+                    break
+                if pending.names & bound_names(body[later]):
+                    break
+            if pending.call not in self.consumed:
+                why = (
+                    f"`{pending.name}` is not loaded by `optimizer.load_state_dict({pending.name})` later in its block"
+                )
+                what = f"`{pending.name} = FSDP.{pending.loading.api}(...)`"
+                self.report(pending.call, what, why, optim_state.Refusal("", "").fix)
+
+    def _pair(self, pending: _PendingLoad, optimizer: str, body: list[cst.BaseStatement], at: int, load: int) -> None:
+        code = optim_state.load_code(pending.loading, optimizer, pending.options)
+        if isinstance(code, optim_state.Refusal):
+            self.report(pending.call, code.what, code.why, code.fix)
+            return
+        self._need_load(code)
+        old = cast(cst.SimpleStatementLine, body[load])
+        new = cast(cst.SimpleStatementLine, cst.parse_statement(code + "\n"))
+        body[load] = new.with_changes(leading_lines=old.leading_lines, trailing_whitespace=old.trailing_whitespace)
+        self.dropped[id(body[at])] = []
+        self.consumed.add(pending.call)
 
     # -- with-blocks: state_dict_type, no_sync and summon_full_params ---------------------------------------------
 
@@ -253,15 +283,19 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 self.summons[node] = plan.call
                 self.consumed.add(call)
             return
-        if self.fsdp1(call.func) == f"{_FSDP}.state_dict_type":
-            block = self._state_dict_block(call)
-            if block is not None:
+        if self.fsdp1(call.func) == BLOCK:
+            options = parse(call, self.code, self.fsdp1, self.value_of)
+            if options is not None:
                 for arg in call.args[2:]:  # configs assigned to a name used only here
                     if isinstance(arg.value, cst.Name):
                         self._drop_if_dead(arg.value.value)
-                self.blocks.append(block)
+                self.blocks.append((options.model, options))
                 self.unwrap[node] = "state_dict"
                 self.consumed.add(node.items[0])
+            else:  # the block stays, reported, and the state-dict calls in it with it
+                model = self.code(call.args[0].value) if call.args and not call.args[0].keyword else ""
+                self.blocks.append((model, None))
+                self.kept_blocks.add(node)
             return
         func = call.func
         if isinstance(func, cst.Attribute) and func.attr.value == "no_sync" and not call.args:
@@ -276,6 +310,10 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def leave_With(
         self, original: cst.With, updated: cst.With
     ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
+        if original in self.kept_blocks:
+            self.blocks.pop()
+        if original in self.wraps.headers:
+            return self._enable_wrap(original, updated)
         if original in self.summons:
             self.need(RUNTIME, summon.HELPER)
             note = cst.EmptyLine(comment=cst.Comment(f"{NOTE} summon_full_params (the block only reads)"))
@@ -306,6 +344,22 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         statements[0] = _with_leading(statements[0], list(updated.leading_lines))
         return cst.FlattenSentinel(statements)
 
+    def _enable_wrap(self, original: cst.With, updated: cst.With) -> cst.FlattenSentinel[cst.BaseStatement]:
+        """`with enable_wrap(...):` as `wrap_kwargs = {...}` (and a mesh) followed by its body."""
+        notes, header = self.wraps.headers[original]
+        body = updated.body
+        statements: list[cst.BaseStatement] = [
+            *(cst.parse_module("\n".join(header) + "\n").body if header else ()),
+            *(
+                body.body
+                if isinstance(body, cst.IndentedBlock)
+                else [cst.SimpleStatementLine(body=cast(Sequence[cst.BaseSmallStatement], body.body))]
+            ),
+        ]
+        comments = [cst.EmptyLine(comment=cst.Comment(note)) for note in notes]
+        statements[0] = _with_leading(statements[0], [*updated.leading_lines, *comments])
+        return cst.FlattenSentinel(statements)
+
     @staticmethod
     def _contains(node: cst.CSTNode, kinds: tuple[type, ...]) -> bool:
         found: list[bool] = []
@@ -319,55 +373,16 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         node.visit(_Find())
         return bool(found)
 
-    def _state_dict_block(self, call: cst.Call) -> _StateDictBlock | None:
-        """The options of `FSDP.state_dict_type(model, type, config, optim_config)` when FSDP2 has them (FULL with
-        rank0_only and offload_to_cpu alike, SHARDED); None otherwise, which leaves the block to the report."""
-        params = ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")
-        args: dict[str, cst.BaseExpression] = {}
-        for index, arg in enumerate(call.args):
-            if arg.star:
-                return None
-            key = arg.keyword.value if arg.keyword else params[index] if index < len(params) else ""
-            args[key] = arg.value
-        kind = self.fsdp1(args["state_dict_type"]) if "state_dict_type" in args else None
-        if "module" not in args or kind not in ("StateDictType.FULL_STATE_DICT", "StateDictType.SHARDED_STATE_DICT"):
-            return None
-        full = kind == "StateDictType.FULL_STATE_DICT"
-        options = []
-        # FSDP1's default offload_to_cpu: off for the model's configs, on for the optimizer's.
-        for key, cls, offload_default in (
-            ("state_dict_config", "FullStateDictConfig" if full else "ShardedStateDictConfig", False),
-            ("optim_state_dict_config", "FullOptimStateDictConfig" if full else "ShardedOptimStateDictConfig", True),
-        ):
-            flags = self._config(args.get(key), cls)
-            if flags is None:
-                return None
-            # DSD's full + cpu_offload is FSDP1's rank0_only (on the CPU); its full alone is every rank's copy on the
-            # device, where FSDP1's offload_to_cpu put it on the CPU: the same values either way.
-            offload = flags.get("rank0_only", False) if full else flags.get("offload_to_cpu", offload_default)
-            settings = (["full_state_dict=True"] if full else []) + (["cpu_offload=True"] if offload else [])
-            options.append(f"StateDictOptions({', '.join(settings)})")
-        return _StateDictBlock(self.code(args["module"]), options[0], options[1])
-
-    def _config(self, node: cst.BaseExpression | None, cls: str) -> dict[str, bool] | None:
-        if node is None or (isinstance(node, cst.Name) and node.value == "None"):
-            return {}
-        node = self.value_of(node)
-        if not isinstance(node, cst.Call) or self.fsdp1(node.func) != cls:
-            return None
-        flags: dict[str, bool] = {}
-        for arg in node.args:
-            value = {"True": True, "False": False}.get(arg.value.value) if isinstance(arg.value, cst.Name) else None
-            if arg.keyword is None or value is None or arg.keyword.value not in ("offload_to_cpu", "rank0_only"):
-                return None
-            flags[arg.keyword.value] = value
-        return flags
-
-    def _options(self, model: str, optim: bool = False) -> str:
-        for block in reversed(self.blocks):
-            if block.model == model:
-                return block.optim_options if optim else block.model_options
-        return _FULL
+    def _options(self, model: str, node: cst.Call, optim: bool = False) -> str | None:
+        """The StateDictOptions code a state-dict call on `model` takes: its state_dict_type block's, else its
+        followed set_state_dict_type's, else FSDP1's default (FULL on every rank); None where it is left as it is."""
+        for block_model, options in reversed(self.blocks):
+            if block_model == model:
+                return None if options is None else options.optim_options if optim else options.model_options
+        governed = self.set_types.governed.get(node)
+        if governed is not None:
+            return governed.optim_options if optim else governed.model_options
+        return None if node in self.set_types.left else _FULL
 
     # -- calls ---------------------------------------------------------------------------------------------------
 
@@ -379,6 +394,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         return updated
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        if original in self.wraps.kept:
+            return original  # manual wrapping left to a person: its keywords stay FSDP1's
         qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, original.func, set())}
         if f"{RUNTIME}.apply_fully_shard" in qualified and len(original.args) > 1:
             given = original.args[1].value  # an FSDP1 policy is what apply_fully_shard takes (a migrated file)
@@ -394,10 +411,12 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             rewritten = self.expr(policy)
         elif name == "CPUOffload":
             rewritten = self._cpu_offload(original)
-        elif name == f"{_FSDP}.optim_state_dict":
-            rewritten = self._optim_state_dict(original)
-        elif name == f"{_FSDP}.optim_state_dict_to_load":
-            return updated  # rewritten with the statement or the load_state_dict call around it
+        elif optim_state.api_of(name) is not None:
+            rewritten = self._optim_call(cast(str, optim_state.api_of(name)), original)
+        elif original in self.wraps.calls:  # wrap(module, ...) inside enable_wrap
+            unit = updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            extra = cast(cst.Call, self.expr(f"f({', '.join(self.wraps.calls[original])})")).args
+            return updated.with_changes(func=cst.Name("fully_shard"), args=[unit, *extra])
         elif name == f"{_FSDP}.fsdp_modules" and len(original.args) == 1 and not original.args[0].keyword:
             self.need(FSDP2, "FSDPModule")
             module = self.code(original.args[0].value)
@@ -424,22 +443,49 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.need(FSDP2, "CPUOffloadPolicy" if offload else "OffloadPolicy")
         return self.expr("CPUOffloadPolicy()" if offload else "OffloadPolicy()")
 
-    def _optim_state_dict(self, call: cst.Call) -> cst.BaseExpression | None:
-        if len(call.args) != 2 or any(a.keyword or a.star for a in call.args):
+    def _optim_call(self, api: str, call: cst.Call) -> cst.BaseExpression | None:
+        """An optimizer-state call in an expression (optim_state.py): a save or a re-keying; the to-load calls are
+        rewritten with the load_state_dict call that takes their result."""
+        if api in optim_state.LOADS:
             return None
-        model, optim = (self.code(a.value) for a in call.args)
-        self._need_helpers("get_optimizer_state_dict")
-        return self.expr(f"get_optimizer_state_dict({model}, {optim}, options={self._options(model, optim=True)})")
+        if api == optim_state.REKEY:
+            code = optim_state.rekey(call, self.code, self.fsdp1)
+            if not isinstance(code, optim_state.Refusal):
+                self.need(RUNTIME, "rekey_optim_state_dict")
+        else:
+            model = self.code(call.args[0].value) if call.args and not call.args[0].keyword else ""
+            options = self._options(model, call, optim=True) if api == "optim_state_dict" else _FULL
+            if options is None:
+                return None
+            code = optim_state.save(api, call, self.code, options)
+            if not isinstance(code, optim_state.Refusal):
+                self._need_helpers("get_optimizer_state_dict")
+        if isinstance(code, optim_state.Refusal):
+            self.report(call, code.what, code.why, code.fix)
+            return None
+        return self.expr(code)
 
-    def _optim_load(self, call: cst.Call) -> cst.BaseExpression | None:
-        """`FSDP.optim_state_dict_to_load(model, optim, osd)` as set_optimizer_state_dict, which loads as well."""
-        if len(call.args) != 3 or any(a.keyword or a.star for a in call.args):
+    def _optim_load(self, call: cst.Call, optimizer: str) -> cst.BaseExpression | None:
+        """`optimizer.load_state_dict(FSDP.<to-load API>(...))` as set_optimizer_state_dict, which loads."""
+        api = cast(str, optim_state.api_of(self.fsdp1(call.func)))
+        loading = optim_state.load(api, call, self.code)
+        code: str | optim_state.Refusal = loading if isinstance(loading, optim_state.Refusal) else ""
+        if isinstance(loading, optim_state.Load):
+            options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
+            if options is None:
+                return None  # the model's state-dict type is left to a person (reported)
+            code = optim_state.load_code(loading, optimizer, options)
+        if isinstance(code, optim_state.Refusal):
+            self.report(call, code.what, code.why, code.fix)
             return None
-        model, optim, osd = (self.code(a.value) for a in call.args)
-        self._need_helpers("set_optimizer_state_dict")
         self.consumed.add(call)
-        options = self._options(model, optim=True)
-        return self.expr(f"set_optimizer_state_dict({model}, {optim}, {osd}, options={options})")
+        self._need_load(code)
+        return self.expr(code)
+
+    def _need_load(self, code: str) -> None:
+        self._need_helpers("set_optimizer_state_dict")
+        if "unshared_optim_state(" in code:
+            self.need(RUNTIME, "unshared_optim_state")
 
     def _need_helpers(self, *names: str) -> None:
         for name in (*names, "StateDictOptions"):
@@ -452,19 +498,22 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         args = [self.module.code_for_node(a) for a in updated.args]
         if method == "load_state_dict" and len(original.args) == 1:
             inner = original.args[0].value
-            if isinstance(inner, cst.Call) and self.fsdp1(inner.func) == f"{_FSDP}.optim_state_dict_to_load":
-                return self._optim_load(inner)
-        if receiver not in self.survey.models:
+            if isinstance(inner, cst.Call) and optim_state.api_of(self.fsdp1(inner.func)) in optim_state.LOADS:
+                return self._optim_load(inner, receiver)
+        if receiver not in self.survey.models and original not in self.set_types.governed:
             return None
         if method == "clip_grad_norm_":
             self.need("torch")
             return self.expr(f"torch.nn.utils.clip_grad_norm_({receiver}.parameters(), {', '.join(args)})")
+        options = self._options(receiver, original)
+        if options is None:
+            return None  # under a state-dict type left to a person (reported)
         if method == "state_dict" and not args:
             self._need_helpers("get_model_state_dict")
-            return self.expr(f"get_model_state_dict({receiver}, options={self._options(receiver)})")
+            return self.expr(f"get_model_state_dict({receiver}, options={options})")
         if method == "load_state_dict" and len(original.args) == 1 and not original.args[0].keyword:
             self._need_helpers("set_model_state_dict")
-            return self.expr(f"set_model_state_dict({receiver}, {args[0]}, options={self._options(receiver)})")
+            return self.expr(f"set_model_state_dict({receiver}, {args[0]}, options={options})")
         return None
 
 
@@ -498,10 +547,14 @@ _NO_COUNTERPART = ("FSDP2's MixedPrecisionPolicy has no counterpart", "set it pe
 def migrate_source(source: str) -> MigrationResult:
     """Rewrite one file's text; the findings are what is left to a person, by line of `source`."""
     wrapper = MetadataWrapper(cst.parse_module(source))
-    survey = _Survey()
+    survey = Survey()
     wrapper.visit(survey)
+    set_types = SetTypes(wrapper.module.code_for_node, survey.value_of)
+    wrapper.visit(set_types)
+    wraps = ManualWrap(wrapper.module.code_for_node, survey.value_of)
+    wrapper.visit(wraps)
     context = CodemodContext()
-    transformer = Fsdp1ToFsdp2(wrapper.module, survey, context)
+    transformer = Fsdp1ToFsdp2(wrapper.module, survey, set_types, wraps, context)
     tree = wrapper.visit(transformer)
     if transformer.removed:
         tree = tree.visit(_RemoveStatements(transformer.removed))

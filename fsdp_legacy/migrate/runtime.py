@@ -5,7 +5,9 @@ be read from the source): the policy is evaluated by the traversal FSDP1's wrapp
 each unit sharded with `fully_shard`, children before parents, then the root; a unit still on the meta device is
 materialized first, as FSDP1 materializes it (param_init_fn, or to_empty + reset_parameters), so the initial values
 are FSDP1's. `full_params` is FSDP1's `summon_full_params` for code that reads: the full parameters, in their own
-dtype (not the mixed-precision one `FSDPModule.unshard()` gives), are put on the modules for the block."""
+dtype (not the mixed-precision one `FSDPModule.unshard()` gives), are put on the modules for the block.
+`hybrid_mesh` is FSDP1's HYBRID_SHARD pair of process groups as FSDP2's 2-D mesh; `unshared_optim_state` and
+`rekey_optim_state_dict` carry FSDP1's optimizer state dicts over (optim_runtime.py)."""
 
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..wrap import LegacyPolicy, _Policy, auto_wrap
+from .optim_runtime import rekey_optim_state_dict, unshared_optim_state
 
-__all__ = ["apply_fully_shard", "full_params"]
+__all__ = ["apply_fully_shard", "full_params", "hybrid_mesh", "rekey_optim_state_dict", "unshared_optim_state"]
 
 # What auto_wrap adds to every unit's kwargs for FSDP1's wrapper; fully_shard takes neither.
 _FSDP1_ONLY_KWARGS = ("auto_wrap_policy", "use_orig_params")
@@ -128,6 +132,31 @@ def apply_fully_shard(
             auto_wrap(model, auto_wrap_policy, shard, ignored, ignored_params, {"use_orig_params": True, **kwargs})
     shard(model, **kwargs)
     return model
+
+
+def hybrid_mesh(process_group: tuple[dist.ProcessGroup, dist.ProcessGroup]) -> DeviceMesh:
+    """FSDP1's `process_group=(intra_node_group, inter_node_group)` for HYBRID_SHARD as FSDP2's 2-D mesh: dim 0
+    ("replicate") the inter-node groups, dim 1 ("shard") the intra-node ones, the groups themselves reused. A rank
+    knows only its own two groups, so each tells the members of the other its own group (no rank outside the two
+    groups takes part, as in FSDP1): a rank's row is its intra group, and each member of its inter group brings
+    another row; the row's ranks are put in the order of their inter groups (columns)."""
+    if not (isinstance(process_group, (tuple, list)) and len(process_group) == 2):
+        raise ValueError(f"expected (intra_node_group, inter_node_group), got {type(process_group).__name__}")
+    intra, inter = process_group
+    mine = (tuple(dist.get_process_group_ranks(intra)), tuple(dist.get_process_group_ranks(inter)))
+    columns: list[Any] = [None] * dist.get_world_size(intra)  # the inter group of each member of my intra group
+    dist.all_gather_object(columns, mine[1], group=intra)
+    rows: list[Any] = [None] * dist.get_world_size(inter)  # the intra group of each member of my inter group
+    dist.all_gather_object(rows, mine[0], group=inter)
+    column_of = {rank: index for index, column in enumerate(sorted(set(columns))) for rank in column}
+    layout = [sorted(row, key=column_of.__getitem__) for row in sorted(set(rows))]
+    if sorted(r for row in layout for r in row) != sorted(column_of) or len({len(row) for row in layout}) != 1:
+        raise ValueError(
+            f"the groups do not form a grid: intra-node groups {sorted(set(rows))}, inter-node groups "
+            f"{sorted(set(columns))}"
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return DeviceMesh.from_group([inter, intra], device, mesh=layout, mesh_dim_names=("replicate", "shard"))
 
 
 # -- summon_full_params, for reading --------------------------------------------------------------------------------

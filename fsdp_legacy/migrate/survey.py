@@ -1,0 +1,93 @@
+"""What the rewrite needs to know about a whole file before it changes anything (rewriter.py reads it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import cast
+
+import libcst as cst
+from libcst.metadata import QualifiedNameProvider
+
+from .names import FSDP1_IMPORT_MODULES, fsdp1_name
+
+_FSDP = "FullyShardedDataParallel"
+_AC = "apply_activation_checkpointing"
+
+
+def is_checkpointing(qualified: set[str]) -> bool:
+    """Whether a callee's qualified names are torch's apply_activation_checkpointing."""
+    return any(q == _AC or q.endswith("." + _AC) for q in qualified)
+
+
+class Survey(cst.CSTVisitor):
+    """What the rewrite needs to know about the whole file first: the wrapped models' names, single assignments
+    (to read a policy or a config assigned to a name), how often each name occurs, the FSDP1 imports, the functions
+    that apply activation checkpointing, and whether the file names the meta device."""
+
+    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.models: set[str] = set()
+        self.assigned: dict[str, list[tuple[cst.SimpleStatementLine, cst.BaseExpression]]] = {}
+        self.name_count: Counter[str] = Counter()
+        self.fsdp1_imports: list[tuple[str, str, str | None]] = []
+        self.checkpointing_functions: set[str] = set()
+        self.meta = False
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        """A function that only applies activation checkpointing (besides local names, prints and its docstring)
+        can move with its call; one that does more cannot."""
+        body = node.body.body if isinstance(node.body, cst.IndentedBlock) else ()
+        if all(isinstance(statement, cst.SimpleStatementLine) for statement in body):
+            kinds = [self._kind(small) for st in cast(Sequence[cst.SimpleStatementLine], body) for small in st.body]
+            if "checkpointing" in kinds and "other" not in kinds:
+                self.checkpointing_functions.add(node.name.value)
+
+    def _kind(self, small: cst.BaseSmallStatement) -> str:
+        if isinstance(small, cst.Assign) and all(isinstance(t.target, cst.Name) for t in small.targets):
+            return "local"
+        if isinstance(small, cst.Expr) and isinstance(small.value, (cst.SimpleString, cst.ConcatenatedString)):
+            return "docstring"
+        if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+            func = small.value.func
+            if is_checkpointing(self._qualified(func)):
+                return "checkpointing"
+            if isinstance(func, cst.Name) and func.value == "print":
+                return "print"
+        return "other"
+
+    def _qualified(self, node: cst.CSTNode) -> set[str]:
+        return {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        self.meta |= node.evaluated_value == "meta"
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+        for small in node.body:
+            if isinstance(small, cst.Assign) and len(small.targets) == 1:
+                target = small.targets[0].target
+                if isinstance(target, cst.Name):
+                    self.assigned.setdefault(target.value, []).append((node, small.value))
+                if isinstance(small.value, cst.Call) and self._is_fsdp(small.value.func):
+                    self.models.add(cst.Module([]).code_for_node(target))
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.name_count[node.value] += 1
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        module = cst.Module([]).code_for_node(node.module) if node.module else ""
+        if module in FSDP1_IMPORT_MODULES and not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:
+                asname = alias.asname.name.value if alias.asname and isinstance(alias.asname.name, cst.Name) else None
+                self.fsdp1_imports.append((module, cst.Module([]).code_for_node(alias.name), asname))
+
+    def _is_fsdp(self, node: cst.CSTNode) -> bool:
+        return any(fsdp1_name(q.name) == _FSDP for q in self.get_metadata(QualifiedNameProvider, node, set()))
+
+    def value_of(self, node: cst.BaseExpression) -> cst.BaseExpression:
+        """A name the file assigns exactly once, as its value; anything else as it is."""
+        if isinstance(node, cst.Name) and len(self.assigned.get(node.value, [])) == 1:
+            return self.assigned[node.value][0][1]
+        return node

@@ -1,0 +1,178 @@
+"""`fsdp-legacy migrate` end to end: each program of test/migrate_corpus/ (FSDP1) is migrated, and both versions run
+with torchrun at 2 CPU ranks side by side; what rank 0 prints (losses, norms, checksums) must agree, and the FSDP2
+program must resume from the FSDP1 program's checkpoint as the FSDP1 program itself went on."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import repo_paths
+from torchrun import free_port
+
+pytest.importorskip("libcst")
+
+from fsdp_legacy.cli import main as cli_main
+from fsdp_legacy.migrate.rewriter import migrate_source
+
+CORPUS = repo_paths.TEST_DIR / "migrate_corpus"
+REPO = repo_paths.REPO
+
+
+# -- end to end: both programs under torchrun -----------------------------------------------------------------------
+
+
+FP32_RTOL = 1e-5
+# FSDP1 and FSDP2 in bf16 (param, reduce and buffer dtypes) gave bit-identical losses here (torch 2.11, 2.13 and
+# 2.14, CPU, gloo, 2 ranks: docs/migration.md section 7); the margin is for reduction orders that differ elsewhere.
+BF16_RTOL = 1e-3
+
+
+def _torchrun(*runs: tuple[Any, ...]) -> list[dict[str, list[float]]]:
+    """Run each (script, *args) with torchrun at 2 ranks, all side by side, through migrate_corpus/launch.py (a
+    script named *_fsdp1.py on torch's FSDP1 mended for the CPU); for each, the `key value` lines its rank 0 printed,
+    by key."""
+    env = {k: v for k, v in os.environ.items() if k != "FSDP_LEGACY"} | {"OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    started = []
+    for script, *args in runs:
+        launcher = [str(CORPUS / "launch.py")] + (["--fsdp1-on-cpu"] if Path(script).name.endswith("_fsdp1.py") else [])
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", *launcher, str(script), *map(str, args),
+        ]  # fmt: skip
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        started.append((subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True), out, err))
+    printed = []
+    for process, out, err in started:
+        process.wait(timeout=300)
+        out.seek(0), err.seek(0)
+        assert process.returncode == 0, err.read()[-4000:]
+        values: dict[str, list[float]] = {}
+        for key, _, value in (line.partition(" ") for line in out.read().splitlines()):
+            if re.fullmatch(r"-?[\d.e+-]+|nan|inf", value):
+                values.setdefault(key, []).append(float(value))
+        printed.append(values)
+    return printed
+
+
+def _migrate_copy(name: str, tmp_path: Path) -> tuple[Path, Path]:
+    fsdp1 = tmp_path / f"{name}_fsdp1.py"
+    fsdp2 = tmp_path / f"{name}_fsdp2.py"
+    fsdp1.write_text((CORPUS / f"{name}.py").read_text())
+    fsdp2.write_text(fsdp1.read_text())
+    assert cli_main(["migrate", str(fsdp2), "--write"]) == 0  # fully migrated
+    migrated = fsdp2.read_text()
+    assert "FullyShardedDataParallel" not in migrated
+    again = migrate_source(migrated)  # a second pass finds nothing left
+    assert (again.migrated, again.findings) == (migrated, []), [f.format(fsdp2.name) for f in again.findings]
+    return fsdp1, fsdp2
+
+
+def _assert_close(fsdp2: list[float], fsdp1: list[float], rtol: float = FP32_RTOL) -> None:
+    assert len(fsdp2) == len(fsdp1) > 0
+    worst = max(abs(a - b) / abs(b) for a, b in zip(fsdp2, fsdp1, strict=True))
+    print(f"FSDP1 {fsdp1}\nFSDP2 {fsdp2}\nworst relative difference {worst:.3g}")
+    assert worst <= rtol
+
+
+def _compare(
+    name: str,
+    tmp_path: Path,
+    *args: str,
+    fsdp1_args: tuple[str, ...] = (),
+    fsdp2_args: tuple[str, ...] = (),
+    rtol: float = FP32_RTOL,
+) -> tuple[Path, dict[str, list[float]]]:
+    """Migrate corpus program `name`, run the FSDP1 original (with `args` and `fsdp1_args`) and the migrated program
+    (with `args` and `fsdp2_args`) side by side, and check that everything rank 0 printed (losses, norms) agrees
+    within `rtol`. Returns the migrated program and the FSDP1 program's output."""
+    fsdp1, fsdp2 = _migrate_copy(name, tmp_path)
+    before, after = _torchrun((fsdp1, *args, *fsdp1_args), (fsdp2, *args, *fsdp2_args))
+    assert set(after) == set(before) and "loss" in before, (before, after)
+    for key in before:
+        _assert_close(after[key], before[key], rtol)
+    return fsdp2, before
+
+
+def test_readme_style_program_trains_the_same(tmp_path: Path) -> None:
+    _compare("readme_style", tmp_path)
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_accumulate_clip_sharded_resumes_from_fsdp1_checkpoint(tmp_path: Path) -> None:
+    fsdp1, fsdp2 = _migrate_copy("accumulate_clip_sharded", tmp_path)
+    checkpoint = tmp_path / "ckpt"
+    (before,) = _torchrun((fsdp1, "--steps", "6", "--save", checkpoint, "--save-after", "2"))
+    # the FSDP2 program resumes from the FSDP1 program's SHARDED checkpoint and continues as it did, through steps
+    # that accumulate under no_sync and clip
+    (after,) = _torchrun((fsdp2, "--steps", "6", "--resume", checkpoint, "--first-step", "3"))
+    _assert_close(after["loss"], before["loss"][3:])
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_tutorial_style_program_trains_the_same_and_resumes_from_fsdp1_full_checkpoint(tmp_path: Path) -> None:
+    """Size-based policy, Adadelta + StepLR, a FULL checkpoint (rank0_only, offload_to_cpu) torch.save'd by rank 0,
+    and the parameters read under summon_full_params (their norm is printed and compared)."""
+    checkpoint = tmp_path / "full.pt"
+    fsdp2, before = _compare(
+        "tutorial_style", tmp_path, "--epochs", "4", fsdp1_args=("--save", str(checkpoint), "--save-epoch", "2")
+    )
+    source = fsdp2.read_text()
+    assert "apply_fully_shard(model, my_auto_wrap_policy)" in source and "with full_params(model" in source
+    # every rank loads the FSDP1 file (set_model_state_dict / set_optimizer_state_dict, full_state_dict=True) and
+    # trains epochs 3 and 4 as the FSDP1 run did after saving
+    (after,) = _torchrun((fsdp2, "--epochs", "4", "--resume", checkpoint))
+    _assert_close(after["loss"], before["loss"][8:])
+    _assert_close(after["norm"], before["norm"])
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_t5_style_program_in_bf16_with_activation_checkpointing(tmp_path: Path) -> None:
+    """transformer_auto_wrap_policy, bf16 MixedPrecision with a buffer dtype, activation checkpointing applied after
+    wrapping (moved before fully_shard), and summon_full_params that must show fp32 parameters."""
+    fsdp2, _ = _compare("t5_style", tmp_path, rtol=BF16_RTOL)
+    source = fsdp2.read_text()
+    assert source.index("apply_fsdp_checkpointing(model)\n") < source.index("fully_shard(model")
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_meta_init_program_materializes_as_fsdp1(tmp_path: Path) -> None:
+    """A model built on the meta device, param_init_fn and sync_module_states: the same initial values unit by unit
+    (a different initialization could not give the same losses)."""
+    fsdp2, _ = _compare("meta_init", tmp_path)
+    assert "param_init_fn=init_weights, sync_module_states=True" in fsdp2.read_text()
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_legacy_optimizer_api_program_trains_the_same_and_resumes_from_fsdp1(tmp_path: Path) -> None:
+    """Adam, FSDP.set_state_dict_type (FULL, rank0_only) followed to model.state_dict() / load_state_dict(),
+    full_optim_state_dict saved by rank 0, rekey_optim_state_dict to parameter ids (its checksum printed), and the
+    optimizer state loaded back by scatter_full_optim_state_dict (rank 0's, two statements) or
+    shard_full_optim_state_dict (every rank's, nested)."""
+    fsdp1_file, fsdp2_file = tmp_path / "fsdp1.pt", tmp_path / "fsdp2.pt"
+    fsdp2, before = _compare(
+        "legacy_optim",
+        tmp_path,
+        *("--steps", "6", "--save-after", "2"),
+        fsdp1_args=("--save", str(fsdp1_file)),
+        fsdp2_args=("--save", str(fsdp2_file)),
+    )
+    assert "rekeyed" in before
+    source = fsdp2.read_text()
+    full_rank0 = "StateDictOptions(full_state_dict=True, cpu_offload=True)"  # the type set_state_dict_type set
+    assert f"states = get_model_state_dict(model, options={full_rank0})" in source
+    assert "broadcast_from_rank0=True" in source
+    # FSDP1's checkpoint (its optimizer state with one `step` tensor per unit) into the FSDP2 program, both ways:
+    # the steps after it are FSDP1's own steps after saving
+    resume = ("--steps", "6", "--resume", fsdp1_file, "--first-step", "3")
+    scattered, sharded = _torchrun((fsdp2, *resume), (fsdp2, *resume, "--load", "shard"))
+    _assert_close(scattered["loss"], before["loss"][3:])
+    _assert_close(sharded["loss"], before["loss"][3:])
