@@ -29,7 +29,7 @@ from typing import Any
 from . import api, torch_helpers, wrap
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
-from .handle import HandleTrainingState
+from .handle import FlatParamHandle, HandleTrainingState
 from .handle_torch_names import HandleShardingStrategy
 from .sharded_grad_scaler import ShardedGradScaler
 from .torch_helpers import NOT_OURS
@@ -113,6 +113,7 @@ def _targets(state: _Installed) -> dict[str, dict[str, Any]]:
         f"{_FSDP1}.sharded_grad_scaler": {"ShardedGradScaler": ShardedGradScaler},
         f"{_FSDP1}._flat_param": {
             "FlatParameter": FlatParameter,
+            "FlatParamHandle": FlatParamHandle,  # (isinstance checks on `_handle`)
             "HandleTrainingState": HandleTrainingState,
             "HandleShardingStrategy": HandleShardingStrategy,
         },

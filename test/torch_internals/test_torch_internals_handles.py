@@ -355,3 +355,18 @@ def test_the_handle_driven_by_its_own_methods_matches_torch(use_orig_params: boo
     for mine, torchs in zip(ours, theirs, strict=True):
         assert mine[:2] == torchs[:2] and mine[3:] == torchs[3:], (mine, torchs)
         assert torch.equal(mine[2], torchs[2])
+
+
+def _handle_class_under_the_switch() -> None:
+    torch_handle_class = torch_flat_param.FlatParamHandle
+    with switched_on():
+        _, ours = build_ours(Config("net"))
+        assert torch_flat_param.FlatParamHandle is fsdp_legacy.handle.FlatParamHandle
+        assert all(isinstance(handle, torch_flat_param.FlatParamHandle) for handle in ours._all_handles)
+    assert torch_flat_param.FlatParamHandle is torch_handle_class, "uninstall puts torch's class back"
+
+
+def test_isinstance_of_torchs_flat_param_handle_holds_under_the_switch() -> None:
+    """Code that checks `isinstance(unit._handle, torch.distributed.fsdp._flat_param.FlatParamHandle)` (Galvatron-
+    style helpers driving the runtime) finds ours a handle while the switch is on, and torch's class again after."""
+    run_on_ranks(_handle_class_under_the_switch, 2)
