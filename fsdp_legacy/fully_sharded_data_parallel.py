@@ -341,6 +341,19 @@ class FullyShardedDataParallel(FSDPUnit):
         self._lazy_init()
         return bool(self._is_root)
 
+    def _unshard(self, async_op: bool = False) -> "UnshardWait | None":
+        """torch's explicit prefetch: gather this unit's parameters now, so that its next forward uses them instead
+        of gathering. With `async_op` the all-gather runs while the caller goes on and the returned object's
+        `wait()` completes it (the forward waits for it otherwise)."""
+        for handle in self._handles:
+            handle.start_unshard()
+            handle.prefetched = True
+        waiter = UnshardWait(list(self._handles))
+        if async_op:
+            return waiter
+        waiter.wait()
+        return None
+
     def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
         states = state if isinstance(state, list) else [state]
         if self.training_state not in states:
@@ -482,6 +495,19 @@ def _hide_runtime_from_dynamo() -> None:
     _pre_forward = torch.compiler.disable(_pre_forward, reason=_EAGER_RUNTIME)
     _post_forward = torch.compiler.disable(_post_forward, reason=_EAGER_RUNTIME)
     _runtime_hidden = True
+
+
+class UnshardWait:
+    """What `FSDP._unshard(async_op=True)` returns: `wait()` completes the gathers (torch's UnshardHandle)."""
+
+    def __init__(self, handles: list[FlatParamHandle]) -> None:
+        self._handles = handles
+
+    def wait(self) -> None:
+        for handle in self._handles:
+            if handle.prefetched:  # (else a forward has used the gather already, or it was dropped)
+                handle.wait_unshard()
+        self._handles = []
 
 
 def _post_backward_hook(

@@ -94,6 +94,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         # Gathered in forward and kept for backward (the root, SHARD_GRAD_OP): the flat parameter shows its shard
         # meanwhile, as torch's, and the pre-backward shows the kept storage again instead of gathering.
         self.kept_for_backward = False
+        self.prefetched = False  # gathered ahead by FSDP._unshard(): the next forward uses it, whatever came between
         self.backward_prepared = False  # prepare_gradient_for_backward ran in this backward
         self.post_backward_done = False
         self.post_backward_hooked = False  # the flat parameter's post-accumulate-grad hook is registered
@@ -359,6 +360,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         free = free_unsharded_flat_param
         self.kept_gathered = self.uses_buffer and not free
         self.kept_for_backward = self.kept_for_backward and not free
+        self.prefetched = False
         self.drop_unsharded_views()
         if not self.uses_buffer:
             return

@@ -82,6 +82,7 @@ class Runtime:
                 if not handle.must_gather:  # a gathering unit writes back in start_unshard(), before its all-gather
                     handle.writeback_orig_params()
                 handle.training_state = HandleTrainingState.FORWARD
+                handle.prefetched = False  # (an FSDP._unshard() gather is this forward's now)
                 unit._hook_post_backward(handle)  # (unfrozen since it was wrapped)
             if unit not in self.forward_order:
                 self.forward_order.append(unit)
@@ -155,6 +156,8 @@ class Runtime:
             # may predate an optimizer step or a load, so it is dropped rather than used.
             for unit in self.units:
                 for handle in unit._handles:
+                    if handle.prefetched:  # gathered by FSDP._unshard() for this forward
+                        continue
                     if handle.unshard_work is not None or handle.kept_gathered or handle.kept_for_backward:
                         self._reshard(handle)
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.

@@ -11,6 +11,7 @@ parameters without an accelerator: ours offloaded is held to torch's values with
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
@@ -370,3 +371,75 @@ def test_isinstance_of_torchs_flat_param_handle_holds_under_the_switch() -> None
     """Code that checks `isinstance(unit._handle, torch.distributed.fsdp._flat_param.FlatParamHandle)` (Galvatron-
     style helpers driving the runtime) finds ours a handle while the switch is on, and torch's class again after."""
     run_on_ranks(_handle_class_under_the_switch, 2)
+
+
+def _explicit_prefetch(use_orig_params: bool) -> dict[str, Any]:
+    import torch.distributed.fsdp as fsdp  # torch's, or ours through the switch
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5))
+    inner[0] = fsdp.FullyShardedDataParallel(inner[0], device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    inner[2] = fsdp.FullyShardedDataParallel(inner[2], device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    model = fsdp.FullyShardedDataParallel(inner, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: dict[str, Any] = {"losses": []}
+    for step in range(4):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step + 10 * torch.distributed.get_rank()))
+        if step == 2:  # (torch's needs its lazy init, the first forward, before; step 1 is the baseline)
+            assert inner[2]._unshard() is None
+            flat = inner[2]._handle.flat_param
+            seen["gathered after _unshard()"] = flat.numel() >= flat._unpadded_unsharded_size.numel()
+        pending = inner[2]._unshard(async_op=True) if step == 3 else None
+        with _counting_our_all_gathers() as gathers:
+            loss = model(x).pow(2).sum()
+        if pending is not None:  # waited for after the forward that used it: nothing left to do
+            pending.wait()
+        seen.setdefault("elements our forward gathered", []).append(sum(gathers))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        seen["losses"].append(loss.item())
+    return seen
+
+
+@contextlib.contextmanager
+def _counting_our_all_gathers() -> Any:
+    """The sizes of the all-gathers fsdp_legacy issues meanwhile (none with torch's FSDP1, which does not use ours)."""
+    from fsdp_legacy import collectives
+
+    calls: list[int] = []
+    original = collectives.all_gather
+
+    def counted(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(output.numel())
+        return original(output, *args, **kwargs)
+
+    collectives.all_gather = counted
+    try:
+        yield calls
+    finally:
+        collectives.all_gather = original
+
+
+def _explicit_prefetch_side_by_side(use_orig_params: bool) -> None:
+    observed = {}
+    for label in ("torch", "ours"):
+        with switched_on() if label == "ours" else contextlib.nullcontext():
+            observed[label] = _explicit_prefetch(use_orig_params)
+    assert observed["ours"]["gathered after _unshard()"] and observed["torch"]["gathered after _unshard()"]
+    _, baseline, *prefetched = observed["ours"]["elements our forward gathered"]
+    unit = 8 * 5 + 5 + (-(8 * 5 + 5) % 2)  # the prefetched unit's padded flat parameter (use_orig_params: aligned)
+    assert all(baseline - n >= unit for n in prefetched), (
+        "the forward used the prefetched gather",
+        baseline,
+        prefetched,
+    )
+    for a, b in zip(observed["ours"]["losses"], observed["torch"]["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), observed
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_explicit_prefetch_with_unshard_trains_as_torch(use_orig_params: bool) -> None:
+    """`unit._unshard()` and `unit._unshard(async_op=True).wait()` (torch's explicit prefetch) before a forward:
+    the unit's parameters are gathered ahead, the forward uses them, and training equals torch's FSDP1's."""
+    run_on_ranks(_explicit_prefetch_side_by_side, 2, use_orig_params)
