@@ -132,6 +132,12 @@ _ADVICE: dict[str, tuple[str, str]] = {
         "offload_to_cpu without rank0_only)",
         "use `get_/set_model_state_dict` and `get_/set_optimizer_state_dict` with `StateDictOptions`",
     ),
+    _FSDP + "apply": (
+        "FSDP1's apply gathers the full parameters around fn and writes its in-place changes back; on FSDP2, "
+        "nn.Module.apply runs fn on the DTensor shards (other random values, `.data` edits lost). Mapped only as "
+        "`model.apply(fn)` on a name the file wraps or `FSDP.apply(model, fn)`, the arguments written out",
+        "call `apply_full(model, fn)` (fsdp_legacy.migrate.runtime) on the FSDP2 model where FSDP1's apply ran",
+    ),
     "enable_wrap": (_MANUAL_WRAP, _MANUAL_WRAP_FIX),
     "wrap": (_MANUAL_WRAP, _MANUAL_WRAP_FIX),
 }

@@ -16,11 +16,11 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import construction, optim_state, summon
+from . import apply_call, construction, optim_state, summon
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .leftovers import LeftoverFinder
 from .manual_wrap import ManualWrap
-from .names import fsdp1_name
+from .names import advice, fsdp1_name
 from .reorder import Placed, bound_names, names_in, reorder
 from .report import Finding, MigrationResult
 from .state_dict_type import BLOCK, SetTypes, TypeOptions, parse
@@ -391,6 +391,10 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if original.attr.value == "module" and self.code(original.value) in self.survey.models:
             self.consumed.add(original)
             return updated.value
+        if original.attr.value == "apply" and self.code(original.value) in self.survey.models:
+            parent = self.get_metadata(ParentNodeProvider, original, None)
+            if not (isinstance(parent, cst.Call) and parent.func is original):
+                self.report(original, apply_call.as_value(self.code(original.value)), *advice(apply_call.API))
         return updated
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
@@ -413,6 +417,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             rewritten = self._cpu_offload(original)
         elif optim_state.api_of(name) is not None:
             rewritten = self._optim_call(cast(str, optim_state.api_of(name)), original)
+        elif name == apply_call.API:
+            rewritten = self._apply(original, apply_call.unbound(updated))
         elif original in self.wraps.calls:  # wrap(module, ...) inside enable_wrap
             unit = updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)
             extra = cast(cst.Call, self.expr(f"f({', '.join(self.wraps.calls[original])})")).args
@@ -434,6 +440,16 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             return updated
         self.consumed.add(original)
         return rewritten
+
+    def _apply(
+        self, original: cst.Call, mapped: apply_call.Mapped, left: cst.Call | None = None
+    ) -> cst.BaseExpression | None:
+        """FSDP1's apply as apply_full (apply_call.py), or reported and `left` (None: the call as updated)."""
+        if isinstance(mapped, str):
+            self.report(original, mapped, *advice(apply_call.API))
+            return left
+        self.need(RUNTIME, apply_call.HELPER)
+        return mapped
 
     def _cpu_offload(self, call: cst.Call) -> cst.BaseExpression | None:
         flags = [(a.keyword.value if a.keyword else "offload_params", self.code(a.value)) for a in call.args]
@@ -500,8 +516,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             inner = original.args[0].value
             if isinstance(inner, cst.Call) and optim_state.api_of(self.fsdp1(inner.func)) in optim_state.LOADS:
                 return self._optim_load(inner, receiver)
+        if method == "apply" and isinstance(func.value, cst.Attribute) and func.value.attr.value == "module":
+            if self.code(func.value.value) in self.survey.models:  # FSDP1's wrapped module: left as written
+                return self._apply(original, apply_call.on_wrapped_module(receiver), updated.with_changes(func=func))
         if receiver not in self.survey.models and original not in self.set_types.governed:
             return None
+        if method == "apply":
+            return self._apply(original, apply_call.bound(updated, cast(cst.Attribute, updated.func).value, receiver))
         if method == "clip_grad_norm_":
             self.need("torch")
             return self.expr(f"torch.nn.utils.clip_grad_norm_({receiver}.parameters(), {', '.join(args)})")

@@ -6,6 +6,7 @@ each unit sharded with `fully_shard`, children before parents, then the root; a 
 materialized first, as FSDP1 materializes it (param_init_fn, or to_empty + reset_parameters), so the initial values
 are FSDP1's. `full_params` is FSDP1's `summon_full_params` for code that reads: the full parameters, in their own
 dtype (not the mixed-precision one `FSDPModule.unshard()` gives), are put on the modules for the block.
+`apply_full` is FSDP1's `apply`: `fn` runs on the full parameters and what it changes in place reaches the shards.
 `hybrid_mesh` is FSDP1's HYBRID_SHARD pair of process groups as FSDP2's 2-D mesh; `unshared_optim_state` and
 `rekey_optim_state_dict` carry FSDP1's optimizer state dicts over (optim_runtime.py)."""
 
@@ -28,7 +29,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..wrap import LegacyPolicy, _Policy, auto_wrap
 from .optim_runtime import rekey_optim_state_dict, unshared_optim_state
 
-__all__ = ["apply_fully_shard", "full_params", "hybrid_mesh", "rekey_optim_state_dict", "unshared_optim_state"]
+__all__ = [
+    "apply_full",
+    "apply_fully_shard",
+    "full_params",
+    "hybrid_mesh",
+    "rekey_optim_state_dict",
+    "unshared_optim_state",
+]
 
 # What auto_wrap adds to every unit's kwargs for FSDP1's wrapper; fully_shard takes neither.
 _FSDP1_ONLY_KWARGS = ("auto_wrap_policy", "use_orig_params")
@@ -185,14 +193,19 @@ def _gather(param: DTensor) -> torch.Tensor:
     return wait() if callable(wait) else full
 
 
-def _unchanged(full: torch.Tensor, sharded: DTensor) -> bool:
-    """Whether this rank's part of `full`, cut as `sharded` is cut (no communication), still equals its shard."""
-    if full.shape != sharded.shape:
-        return False
+def _local_piece(full: torch.Tensor, sharded: DTensor) -> torch.Tensor:
+    """This rank's part of `full`, cut as `sharded` is cut, by DTensor's own rules for its placements (torch.chunk
+    pieces for Shard, uneven and empty ones included, as fully_shard cuts; the whole along Replicate). No
+    communication: every rank holds `full`."""
     local = sharded.to_local()
     mesh = sharded.device_mesh
     whole = DTensor.from_local(full.detach().to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return torch.equal(whole.redistribute(mesh, sharded.placements).to_local().to(local.device), local)
+    return whole.redistribute(mesh, sharded.placements).to_local().to(local.device)
+
+
+def _unchanged(full: torch.Tensor, sharded: DTensor) -> bool:
+    """Whether this rank's part of `full` still equals its shard."""
+    return full.shape == sharded.shape and torch.equal(_local_piece(full, sharded), sharded.to_local())
 
 
 @contextlib.contextmanager
@@ -245,3 +258,85 @@ def full_params(
                 "FSDP2 cannot write full parameters back, as FSDP1's summon_full_params did: write through the local "
                 "shards (`p.to_local()`) or load a full state dict with set_model_state_dict"
             )
+
+
+# -- FSDP1's apply ---------------------------------------------------------------------------------------------------
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a `.data = ...` assignment (or `_apply`) changes about a tensor even when the values could match."""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype
+
+
+def _replaced(shown: nn.Parameter, before: tuple[Any, ...], now: Any) -> str | None:
+    """How `fn` replaced a full parameter rather than change it in place, if it did."""
+    if now is None:
+        return "removed"
+    if now is not shown:
+        return "replaced by another object"
+    if shown.shape != before[2]:
+        return f"shape changed from {tuple(before[2])} to {tuple(shown.shape)}"
+    return "`.data` assigned" if _layout(shown) != before else None
+
+
+def _apply_unit(module: nn.Module, fn: Callable[[nn.Module], Any], names: dict[nn.Module, str]) -> None:
+    """nn.Module.apply's order (children, then the module), with the unit `module` roots gathered while its subtree
+    runs: FSDP1's apply, which gathers each unit's own parameters as the recursion enters it."""
+    slots = _sharded_slots(module, recurse=False) if isinstance(module, FSDPModule) else []
+    shown: dict[int, tuple[DTensor, nn.Parameter, tuple[Any, ...]]] = {}
+    with torch.no_grad():
+        for _, _, param in slots:  # every rank gathers, in the same order
+            if id(param) not in shown:
+                full = nn.Parameter(_gather(param), param.requires_grad)
+                shown[id(param)] = (param, full, _layout(full))
+    for owner, name, param in slots:
+        owner.register_parameter(name, shown[id(param)][1])
+    try:
+        for child in module.children():
+            _apply_unit(child, fn, names)
+        fn(module)
+        now = [owner._parameters.get(name) for owner, name, _ in slots]
+    finally:  # FSDP2's sharded parameters back on their modules, whatever happened (an error in fn included)
+        for owner, name, param in slots:
+            owner.register_parameter(name, param)  # type: ignore[arg-type]
+    if not slots:
+        return
+    problems = []
+    for (owner, name, param), after in zip(slots, now, strict=True):
+        problem = _replaced(shown[id(param)][1], shown[id(param)][2], after)
+        if problem:
+            problems.append(f"{'.'.join(filter(None, (names.get(owner, '?'), name)))} ({problem})")
+    mesh = slots[0][2].device_mesh
+    anywhere = torch.tensor([len(problems)], device=mesh.device_type)
+    for dim in range(mesh.ndim):  # every rank holding a piece of this unit learns of a problem seen on any of them
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    if anywhere.item():
+        raise RuntimeError(
+            f"apply_full(): fn replaced parameters instead of changing them in place: "
+            f"{', '.join(problems) or 'on another rank'}. torch's FSDP1 apply kept none of such changes (the module "
+            "went on with its old values, silently; a changed shape cannot be written back at all), where "
+            "nn.Module.apply keeps them, so no FSDP2 code can do what both did. Fix: change the parameter in place "
+            "in fn (`with torch.no_grad(): m.weight.copy_(new)`, or `m.weight.data.copy_(new)`), which is written "
+            "back; or drop the assignment to keep what the FSDP1 program trained with. Nothing of this unit was "
+            "written back"
+        )
+    with torch.no_grad():
+        for param, full, _ in shown.values():
+            param.to_local().copy_(_local_piece(full, param))
+
+
+def apply_full(model: nn.Module, fn: Callable[[nn.Module], Any]) -> nn.Module:
+    """FSDP1's `model.apply(fn)` on an FSDP2 model: `fn` runs on every module, children first (nn.Module.apply's
+    order), while the sharded parameters it sees are full, plain parameters (gathered with `full_tensor()`, in
+    their own dtype), so a seeded random init draws what it draws on the plain model; what `fn` changes in place
+    (`normal_`, `fill_`, `.data.copy_`, `nn.init.*`) is written back into each rank's shard. Memory as FSDP1's: a
+    unit's parameters are gathered when the traversal enters it and written back when it leaves, so at most the
+    units on one path from the root are full at once. A parameter `fn` replaces (`.data = ...`, a new Parameter, a
+    new shape) fails on every rank of its unit: FSDP1 dropped it silently. Buffers and unsharded parameters are
+    `fn`'s to change, as they are; on a model without FSDP2 units this is nn.Module.apply. Call it where FSDP1
+    called apply: outside forward/backward. Returns `model`."""
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()  # a unit left unsharded after forward holds plain, possibly low-precision, tensors
+    _apply_unit(model, fn, {module: name for name, module in model.named_modules()})
+    return model

@@ -103,7 +103,10 @@ def _compare(
 
 
 def test_readme_style_program_trains_the_same(tmp_path: Path) -> None:
-    _compare("readme_style", tmp_path)
+    """`model.apply(init_weights)` after wrapping included: apply_full initializes the full parameters, as FSDP1's
+    apply does (nn.Module.apply on the shards would start from other weights)."""
+    fsdp2, _ = _compare("readme_style", tmp_path)
+    assert "    apply_full(model, init_weights)" in fsdp2.read_text()
 
 
 @pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)

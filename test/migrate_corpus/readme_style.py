@@ -1,5 +1,6 @@
-"""An FSDP1 program in the README's style: blocks wrapped by ModuleWrapPolicy, AdamW, fp32; rank 0 prints its loss
-per step. test_migrate.py migrates it with `fsdp-legacy migrate` and runs both versions with torchrun."""
+"""An FSDP1 program in the README's style: blocks wrapped by ModuleWrapPolicy, the weights initialized after wrapping
+with `model.apply(init_weights)` (FSDP1's apply: on the full parameters), AdamW, fp32; rank 0 prints its loss per
+step. test_migrate_corpus.py migrates it with `fsdp-legacy migrate` and runs both versions with torchrun."""
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,12 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.2)
+        module.bias.data.fill_(0.01)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -43,6 +50,7 @@ def main() -> None:
         device_id=torch.device("cpu"),
         use_orig_params=True,
     )
+    model.apply(init_weights)  # the same draws as on the plain model: FSDP1 gathers the full parameters first
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(100 + rank)  # different data on each rank
     for _ in range(5):
