@@ -69,6 +69,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.constructions: dict[int, Placed] = {}  # id(first new statement) -> what it shards
         self.checkpointing: dict[int, str] = {}  # id(statement applying activation checkpointing) -> its model
         self.summons: dict[cst.With, cst.Call] = {}  # summon_full_params blocks that only read -> full_params(...)
+        self._alive: list[cst.CSTNode] = []  # every node whose id() keys one of the dicts above (see _key)
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
@@ -111,7 +112,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                     self._drop_if_dead(arg.value.value)
             model = options.model
             note = f"{NOTE} FSDP.set_state_dict_type({model}, ...) taken out: the state-dict calls on {model} below"
-            self.dropped[id(updated)] = [note + " take its options"]
+            self.dropped[self._key(updated)] = [note + " take its options"]
         if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.value, cst.Call):
             target, call = small.targets[0].target, small.value
             if self.fsdp1(call.func) == _FSDP:
@@ -125,7 +126,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 func, args = now.value.func, now.value.args
                 if isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(args) == 1:
                     if isinstance(args[0].value, cst.Name) and not args[0].keyword:
-                        self.load_uses[id(updated)] = (self.code(func.value), args[0].value.value)
+                        self.load_uses[self._key(updated)] = (self.code(func.value), args[0].value.value)
         return updated
 
     def _load_def(
@@ -150,7 +151,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             self.report(call, f"`{name} = FSDP.{api}(...)`", why, optim_state.Refusal("", "").fix)
             return
         names = set().union(*(names_in(a.value) for a in call.args))
-        self.load_defs[id(updated)] = _PendingLoad(name, call, loading, options, names)
+        self.load_defs[self._key(updated)] = _PendingLoad(name, call, loading, options, names)
+
+    def _key(self, node: cst.CSTNode) -> int:
+        """id(node) as a dict key, `node` kept alive for the rewrite: a freed node's id, given to a new node, made a
+        stale entry match an unrelated statement (dropped or moved, at random)."""
+        self._alive.append(node)
+        return id(node)
 
     def _count_in_scope(self, name: str, node: cst.CSTNode) -> int:
         """How often `name` occurs in the function (or module) holding `node`, functions inside it included."""
@@ -171,14 +178,14 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, call.func, set())}
         local = isinstance(call.func, cst.Name) and call.func.value in self.survey.checkpointing_functions
         if (is_checkpointing(qualified) or local) and call.args and not call.args[0].keyword:
-            self.checkpointing[id(statement)] = self.code(call.args[0].value)
+            self.checkpointing[self._key(statement)] = self.code(call.args[0].value)
 
     def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
         """An `if` doing nothing but apply activation checkpointing to one model moves as one statement."""
         if updated.orelse is None and isinstance(updated.body, cst.IndentedBlock):
             models = {self.checkpointing.get(id(s)) for s in updated.body.body}
             if len(models) == 1 and None not in models:
-                self.checkpointing[id(updated)] = cast(str, models.pop())
+                self.checkpointing[self._key(updated)] = cast(str, models.pop())
         return updated
 
     def _construction(
@@ -200,7 +207,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         notes = [cst.EmptyLine(comment=cst.Comment(note)) for note in built.notes]
         built.statements[0] = _with_leading(built.statements[0], [*original.leading_lines, *notes])
         model = self.code(call.args[0].value) if isinstance(call.args[0].value, (cst.Name, cst.Attribute)) else target
-        self.constructions[id(built.statements[0])] = Placed(model, target, len(built.statements), built.materializes)
+        placed = Placed(model, target, len(built.statements), built.materializes)
+        self.constructions[self._key(built.statements[0])] = placed
         return cst.FlattenSentinel(built.statements)
 
     def _drop_if_dead(self, name: str, rewritten: str = "") -> None:
@@ -265,7 +273,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         old = cast(cst.SimpleStatementLine, body[load])
         new = cast(cst.SimpleStatementLine, cst.parse_statement(code + "\n"))
         body[load] = new.with_changes(leading_lines=old.leading_lines, trailing_whitespace=old.trailing_whitespace)
-        self.dropped[id(body[at])] = []
+        self.dropped[self._key(body[at])] = []
         self.consumed.add(pending.call)
 
     # -- with-blocks: state_dict_type, no_sync and summon_full_params ---------------------------------------------
