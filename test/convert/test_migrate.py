@@ -44,7 +44,18 @@ def _fsdp1_names(tree: ast.AST) -> set[str]:
 
 # -- the units: a policy evaluated as FSDP1 evaluates it ----------------------------------------------------------
 
-_MODEL = """
+# The block both the policy programs here and test_migrate_wrap's use.
+_BLOCK = """class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+
+    def forward(self, x):
+        return self.inner(x)
+"""
+
+_MODEL = (
+    """
 import functools
 import torch
 import torch.nn as nn
@@ -54,14 +65,9 @@ from torch.distributed.fsdp.wrap import (
 )
 
 
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.inner = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
-
-    def forward(self, x):
-        return self.inner(x)
-
+"""
+    + _BLOCK
+    + """
 
 def build():
     torch.manual_seed(0)
@@ -69,6 +75,7 @@ def build():
     model = FSDP(model, auto_wrap_policy=POLICY, device_id=torch.device("cpu"))
     return model
 """
+)
 
 _POLICIES = [
     ("module_wrap", "ModuleWrapPolicy({Block})"),

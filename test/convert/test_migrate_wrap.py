@@ -16,25 +16,21 @@ import torch.nn as nn
 
 pytest.importorskip("libcst")
 
-from test_migrate import _MODEL, _fsdp1_names, _unit_names
+from test_migrate import _BLOCK, _MODEL, _fsdp1_names, _unit_names
 
 from fsdp_legacy.migrate.rewriter import migrate_source
 
-_WRAP = """
+_WRAP = (
+    """
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from torch.distributed.fsdp.wrap import enable_wrap, wrap
 
 
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.inner = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
-
-    def forward(self, x):
-        return self.inner(x)
-
+"""
+    + _BLOCK
+    + """
 
 def build():
     torch.manual_seed(0)
@@ -43,6 +39,7 @@ def build():
         model = wrap(nn.Sequential(first, wrap(Block(8)), nn.Linear(8, 8)))
     return model
 """
+)
 
 
 def test_enable_wrap_becomes_fully_shard_calls() -> None:
