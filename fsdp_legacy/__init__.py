@@ -30,11 +30,14 @@ from .compat import install, installed, uninstall
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
+from .state import dcp_load_hook
 
 try:  # setup.cfg holds the version; an installed package (editable too) carries it in its metadata
     __version__ = version("fsdp_legacy")
 except PackageNotFoundError:  # a checkout on sys.path without an install
     __version__ = "0+unknown"
+
+dcp_load_hook.install()  # dcp.load restores a fresh optimizer's state from the checkpoint (state/fresh_optim.py)
 
 # FSDP_LEGACY=1 with fsdp_legacy imported first: this import brought in torch.distributed.fsdp, and the switch's hook
 # (_fsdp_legacy_autoinstall.py) left install() to the end of it.

@@ -16,7 +16,8 @@
     background_state.py       SHARDED model and optimizer state dicts built from copies, away from training
     latest.py                 the newest complete checkpoint under a folder, agreed by every rank
     partial_load.py           a DCP load that would leave a section of the checkpoint behind is an error
-    fresh_optim.py            a fresh optimizer's state dict as a load target: warned about
+    fresh_optim.py            a fresh optimizer's state dict as a load target: filled from the checkpoint
+    dcp_load_hook.py          torch's dcp.load, which fills such targets first
     rank_file.py              one rank's torch.save LOCAL/SHARDED file read back without running pickled code
 
 Every module here works on units (unit.py) and their handles (handle.py); fully_sharded_data_parallel.py assembles

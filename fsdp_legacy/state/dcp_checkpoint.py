@@ -37,7 +37,7 @@ from ..convert.dcp_files import (
 from ..convert.errors import CheckpointError
 from ..convert.record import FlatParamRecord, records_in_metadata
 from ..convert.side_file import SIDE_FILE, check_files, file_crc, read_side_file, write_side_file
-from .fresh_optim import mark_checked
+from .fresh_optim import fill_from_checkpoint, mark_checked
 from .partial_load import check_complete_load
 
 
@@ -104,16 +104,23 @@ def load(
     """Check the directory (one save, every file's CRC-32, the layout of LOCAL state dicts), the same outcome on every
     rank, then dcp.load(state, checkpoint_id=...). With `strict`, a section of `state` (a top-level key, such as
     "optim") that would receive fewer tensors than the checkpoint holds under it is an error (partial_load.py);
-    sections `state` leaves out are not loaded."""
+    sections `state` leaves out are not loaded. A fresh optimizer's FSDP.optim_state_dict in `state` first takes the
+    state entries the checkpoint holds (fresh_optim.py), so the load restores them."""
     rank, world_size = _rank(process_group)
     try:
         _check(state, checkpoint_id, rank, world_size)
-        if strict:
-            check_complete_load(state, read_metadata(os.path.join(checkpoint_id, METADATA_FILE)), checkpoint_id)
         error = None
     except CheckpointError as failure:
         error = str(failure)
     _raise_first(_gather(error, process_group, world_size))
+    metadata = read_metadata(os.path.join(checkpoint_id, METADATA_FILE))  # readable: checked on every rank
+    fill_from_checkpoint(state, metadata)  # a fresh optimizer's target takes the state the checkpoint holds
+    if strict:
+        try:
+            check_complete_load(state, metadata, checkpoint_id)
+        except CheckpointError as failure:
+            error = str(failure)
+        _raise_first(_gather(error, process_group, world_size))
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group)
     mark_checked(state)  # checked above (or strict=False: the caller accepts a partial load): no refusal later
 

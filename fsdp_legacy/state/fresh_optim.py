@@ -5,28 +5,42 @@ target, then loaded into the optimizer.
     dcp.load({"optim": osd}, checkpoint_id=...)                # fills only the keys the target has: param_groups
     FSDP.optim_state_dict_to_load(model, fresh_optimizer, osd) # torch's FSDP1: no state, no error
 
-With torch's FSDP1 the resumed run trains on from zeroed optimizer state (no momentum, no Adam moments). What is
-returned cannot be changed without changing what a normal save writes, and dcp.load is torch's, so the loss is caught
-where the target comes back: `optim_state_dict` remembers the dicts it returned for an optimizer with no state, and
-`optim_state_dict_to_load` refuses such a dict once a loader has replaced its param_groups (dcp.load does) while its
-state is still empty. A dict saved and loaded with torch.save, or passed straight back, is a new object or unchanged,
-so a run that truly never stepped saves and loads as with torch's. `fsdp_legacy.dcp_checkpoint.load` checks the
-checkpoint itself and marks the targets it found complete (a checkpoint saved before the first step) as loaded.
+With torch's FSDP1 the resumed run trains on from zeroed optimizer state (no momentum, no Adam moments); Accelerate
+resumes SHARDED_STATE_DICT optimizers this way. Ours restores the state: `optim_state_dict` remembers the dicts it
+returned for an optimizer with no state, and a load that reads the checkpoint (torch's dcp.load through
+dcp_load_hook.py, or fsdp_legacy.dcp_checkpoint.load) first gives such a target an entry for every state the
+checkpoint holds for its parameters (`fill_from_checkpoint`), built by the same save code from zeros of the saved
+dtypes, so the load fills them. A checkpoint with no state for it (saved before the first step) leaves it as it is.
+Where no such load ran (a loader bound before fsdp_legacy was imported, a storage reader that is not a directory),
+`optim_state_dict_to_load` refuses a target whose param_groups a loader replaced while its state stayed empty, on
+every rank. A dict saved and loaded with torch.save, or passed straight back, is a new object or unchanged, so a run
+that truly never stepped saves and loads as with torch's.
 """
 
-import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..unit import FSDPUnit
 
 _KEPT = 4  # targets remembered per optimizer: a resume takes one
+
+
+@dataclass(frozen=True)
+class Refill:
+    """How to build a target's state: the optimizer's parameters in its state-dict order, with the FQNs each stands
+    for, and the save that turns an id-keyed optimizer state dict into the target's format (a collective: every rank
+    holding the model runs it)."""
+
+    params: list[tuple[torch.Tensor, tuple[str, ...]]]
+    build: Callable[[dict[str, Any]], dict[str, Any]]
+    uses_orig_params: bool
 
 
 @dataclass
@@ -37,7 +51,8 @@ class _Target:
     osd: dict[str, Any]
     state: Any
     param_groups: Any  # the list returned: a loader replaces it
-    checked: bool = False  # fsdp_legacy.dcp_checkpoint.load found no state for it in the checkpoint
+    refill: Refill | None
+    checked: bool = False  # a loader that read the checkpoint found no state for it there
 
 
 _targets: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[_Target]]" = weakref.WeakKeyDictionary()
@@ -47,33 +62,102 @@ def _trained(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optim.param_groups for p in group["params"] if p.requires_grad]
 
 
-def note_returned(optim: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
-    """`osd` was returned by optim_state_dict for `optim`: remember it if `optim` has no state yet."""
+def note_returned(optim: torch.optim.Optimizer, osd: dict[str, Any], refill: Refill | None) -> None:
+    """`osd` was returned by optim_state_dict for `optim`: remember it if `optim` has no state yet. `refill` is None
+    where not every rank holds a target (FULL with rank0_only)."""
     if not isinstance(osd, dict) or "param_groups" not in osd or osd.get("state"):
         return
     if any(p in optim.state and optim.state[p] for p in _trained(optim)):
         return
     kept = _targets.setdefault(optim, [])
-    kept.append(_Target(osd, osd.get("state"), osd["param_groups"]))
+    kept.append(_Target(osd, osd.get("state"), osd["param_groups"], refill))
     del kept[:-_KEPT]
 
 
+def _found(tree: Any, want: Callable[[_Target], bool]) -> list[tuple[_Target, tuple[str, ...]]]:
+    """The remembered targets inside `tree` that `want`, with their paths (the keys down to them)."""
+    by_id = {id(t.osd): t for kept in _targets.values() for t in kept if want(t)}
+    found: list[tuple[_Target, tuple[str, ...]]] = []
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if id(node) in by_id:
+            found.append((by_id[id(node)], path))
+        elif isinstance(node, Mapping):
+            for key, value in node.items():
+                if isinstance(value, Mapping):
+                    walk(value, (*path, key))
+
+    if by_id:
+        walk(tree, ())
+    return found
+
+
+def _pending(target: _Target) -> bool:
+    return target.refill is not None and not target.checked and not target.osd.get("state")
+
+
+def has_pending_targets(tree: Any) -> bool:
+    """Whether `tree` (a state dict about to be loaded) holds a fresh optimizer's target that a load could fill."""
+    return bool(_found(tree, _pending))
+
+
+def fill_from_checkpoint(tree: Any, metadata: Metadata) -> None:
+    """Give each fresh optimizer's target inside `tree` the state entries the checkpoint holds for its parameters (so
+    that a load fills them), or mark it checked where the checkpoint holds none. The same on every rank: all read
+    the same metadata."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    for target, path in _found(tree, _pending):
+        held: dict[str, dict[str, Any]] = {}  # fqn -> state name -> storage metadata
+        for key, entry in metadata.state_dict_metadata.items():
+            parts = _parts(key, paths, path)
+            if len(parts) == len(path) + 3 and parts[: len(path)] == path and parts[len(path)] == "state":
+                held.setdefault(str(parts[-2]), {})[str(parts[-1])] = entry
+        refill = target.refill
+        assert refill is not None
+        if not held:
+            target.checked = True  # saved before the first step: nothing to restore
+            continue
+        state = {i: _zeros(param, fqns, held, refill.uses_orig_params) for i, (param, fqns) in enumerate(refill.params)}
+        built = refill.build({"state": {i: s for i, s in state.items() if s}})
+        target.osd["state"].update(built["state"])
+
+
+def _parts(key: str, paths: Mapping[str, Any], path: tuple[str, ...]) -> tuple[Any, ...]:
+    """The keys down to a checkpoint entry: DCP's record of them, else (a save that did not flatten) read from the
+    dotted key under `path`, whose FQN may hold dots but whose state name does not."""
+    if key in paths:
+        return tuple(paths[key])
+    prefix = ".".join((*path, "state", ""))
+    if not key.startswith(prefix) or "." not in key[len(prefix) :]:
+        return ()
+    return (*path, "state", *key[len(prefix) :].rsplit(".", 1))
+
+
+def _zeros(param: torch.Tensor, fqns: tuple[str, ...], held: dict[str, dict[str, Any]], orig: bool) -> dict[str, Any]:
+    """What the optimizer's state for `param` would hold, as zeros of the saved dtypes: states the size of the
+    parameters take `param`'s (local) shape, 0-d ones (Adam's step) stay 0-d; non-tensors are placeholders the load
+    replaces."""
+    names: dict[str, Any] = {}
+    for fqn in fqns:
+        for name, entry in held.get(fqn, {}).items():
+            names.setdefault(name, entry)
+    if orig and param.numel() == 0:
+        return {}  # a rank that holds no element of the parameter keeps no state for it, as after a step
+    state: dict[str, Any] = {}
+    for name, entry in names.items():
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = entry.properties.dtype
+            scalar = len(entry.size) == 0
+            state[name] = torch.zeros((), dtype=dtype) if scalar else torch.zeros_like(param, dtype=dtype)
+        elif isinstance(entry, BytesStorageMetadata):
+            state[name] = None
+    return state
+
+
 def mark_checked(tree: Any) -> None:
-    """The targets inside `tree` were loaded by a loader that found no state for them in the checkpoint."""
-    found = {id(value) for value in _dicts(tree)}
-    for kept in _targets.values():
-        for target in kept:
-            if id(target.osd) in found:
-                target.checked = True
-
-
-def _dicts(tree: Any) -> list[Any]:
-    out = [tree]
-    if isinstance(tree, Mapping):
-        for value in tree.values():
-            if isinstance(value, Mapping):
-                out += _dicts(value)
-    return out
+    """The targets inside `tree` were loaded by a loader that checked the checkpoint: no refusal later."""
+    for target, _ in _found(tree, lambda _: True):
+        target.checked = True
 
 
 def _problem(optim: torch.optim.Optimizer, osd: Any) -> str | None:
@@ -85,13 +169,14 @@ def _problem(optim: torch.optim.Optimizer, osd: Any) -> str | None:
             return (
                 "optim_state_dict_to_load was given an optimizer state dict with no state for any parameter, taken "
                 "with FSDP.optim_state_dict from an optimizer that had not stepped yet and since filled by a load "
-                "(dcp.load replaces its param_groups): a load target without state entries receives no state, so "
-                "the optimizer would resume from zeroed state (no momentum, no Adam moments) although the "
-                "checkpoint may hold it. Build the target from the checkpoint instead: torch.distributed.checkpoint."
-                "optimizer.load_sharded_optimizer_state_dict(model_state_dict, 'optim', storage_reader), or "
-                "fsdp_legacy.checkpoint.get_optimizer_state_dict(model, optimizer) (it creates the state first) "
-                "and set_optimizer_state_dict; or load with fsdp_legacy.dcp_checkpoint.load, which checks the "
-                "checkpoint (and lets a checkpoint saved before the first optimizer step load as it is)."
+                "that fsdp_legacy could not see into (its param_groups were replaced): a load target without state "
+                "entries receives no state, so the optimizer would resume from zeroed state (no momentum, no Adam "
+                "moments) although the checkpoint may hold it. Load with torch.distributed.checkpoint.load (as "
+                "dcp.load, looked up after fsdp_legacy is imported) or fsdp_legacy.dcp_checkpoint.load, which fill "
+                "such a target from the checkpoint; or build the target from the checkpoint: torch.distributed."
+                "checkpoint.optimizer.load_sharded_optimizer_state_dict(model_state_dict, 'optim', storage_reader), "
+                "or fsdp_legacy.checkpoint.get_optimizer_state_dict(model, optimizer) (it creates the state first) "
+                "and set_optimizer_state_dict."
             )
     return None
 
@@ -99,13 +184,8 @@ def _problem(optim: torch.optim.Optimizer, osd: Any) -> str | None:
 def check_load_target(
     model: nn.Module, optim: torch.optim.Optimizer, osd: Any, group: dist.ProcessGroup | None
 ) -> None:
-    """Warn on every rank if any rank passes a load target that lost the checkpoint's state. The ranks agree over
-    `group`, else the model's root unit's group (every rank that holds the model calls this).
-
-    A warning, not an error: torch's FSDP1 runs this flow, and frameworks resume through it (transformers' Trainer,
-    through Accelerate, with SHARDED_STATE_DICT), so refusing it would stop their users' resumes; what was lost
-    cannot be recovered here (the checkpoint is not known). fsdp_legacy.dcp_checkpoint.load, which reads the
-    checkpoint, refuses such a load."""
+    """Raise on every rank if any rank passes a load target that lost the checkpoint's state. The ranks agree over
+    `group`, else the model's root unit's group (every rank that holds the model calls this)."""
     problem = _problem(optim, osd)
     if group is None:
         group = next((m.process_group for m in model.modules() if isinstance(m, FSDPUnit)), None)
@@ -116,4 +196,4 @@ def check_load_target(
         if problem and rank != dist.get_rank(group):
             problem = f"{problem} (on rank {rank})"
     if problem:
-        warnings.warn(problem, UserWarning, stacklevel=3)
+        raise RuntimeError(problem)

@@ -32,7 +32,8 @@ from ..handle import FlatParamHandle
 from ..naming import clean_fqn
 from ..tensor_parallel import DTensorParam
 from ..unit import FSDPUnit
-from .fresh_optim import check_load_target, note_returned
+from .dcp_load_hook import install as install_dcp_load_hook
+from .fresh_optim import Refill, check_load_target, note_returned
 from .optim_state_named import by_param_ids, by_param_names, keyed_by_name
 from .state_dict import chunk_sharded_tensor, clean_key, detached_copy, get_state_dict_type
 from .state_dict_dtensor import chunk_dtensor, uses_dtensor
@@ -190,10 +191,21 @@ def optim_state_dict(
     settings = get_state_dict_type(model)
     if settings is None:
         raise ValueError("optim_state_dict needs a model with at least one FullyShardedDataParallel unit.")
-    result = save_optim_state(
-        model, optim, optim_state_dict, settings.state_dict_type, settings.optim_state_dict_config, group
-    )
-    note_returned(optim, result)  # a fresh optimizer's dict may come back as a load target (fresh_optim.py)
+    kind, config = settings.state_dict_type, settings.optim_state_dict_config
+    result = save_optim_state(model, optim, optim_state_dict, kind, config, group)
+    # A fresh optimizer's dict may come back as a load target, to be filled from the checkpoint (fresh_optim.py).
+    rank0_only = kind == StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False)
+    refill = None
+    if not rank0_only:  # every rank holds a target, so every rank builds its state (a collective) at the load
+        params = [param for group_ in optim.param_groups for param in group_["params"]]
+        entries = _entries(model, optim)
+        refill = Refill(
+            [(param, entry.fqns) for param, (_, entry) in zip(params, entries, strict=True)],
+            lambda osd: save_optim_state(model, optim, osd, kind, config, group),
+            _uses_orig_params(model),
+        )
+    note_returned(optim, result, refill)
+    install_dcp_load_hook()  # (normally done when fsdp_legacy was imported)
     return result
 
 

@@ -159,6 +159,15 @@ def train_run(run: Run, impl: str, directory: str) -> dict:
         params_after_resume=checksum(full_params(fsdp_model(second))),
     )
     dist.barrier()
+    if run.state_dict_type == "SHARDED_STATE_DICT":  # the oracle of the resume: the same 5 steps without a break
+        whole = trainer(run, model(run, seed=0), f"{directory}-uninterrupted", steps=5)
+        whole.train()
+        after = [entry for entry in whole.state.log_history if "loss" in entry and entry["step"] > 3]
+        result |= dict(
+            uninterrupted_losses=[float(entry["loss"]) for entry in after],
+            params_uninterrupted=checksum(full_params(fsdp_model(whole))),
+        )
+        dist.barrier()
     return result
 
 

@@ -194,6 +194,15 @@ def train_run(run: Run, impl: str, directory: str) -> dict:
             params_after_resume=checksum(full_params(second.model_wrapped)),
         )
         dist.barrier()
+        if run.state_dict_type == "SHARDED_STATE_DICT":  # the oracle of the resume: the same steps without a break
+            whole = trainer(run, model_path, f"{directory}-uninterrupted", steps=STEPS + 2)
+            whole.train()
+            after = [entry for entry in whole.state.log_history if "loss" in entry and entry["step"] > STEPS]
+            result |= dict(
+                uninterrupted_losses=[float(entry["loss"]) for entry in after],
+                params_uninterrupted=checksum(full_params(whole.model_wrapped)),
+            )
+            dist.barrier()
     return result
 
 
