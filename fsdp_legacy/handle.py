@@ -34,6 +34,7 @@ from .flat_param import (
 )
 from .flat_param_grads import FlatParamGrads
 from .handle_torch_names import TorchHandleNames
+from .module_setattr import overrides_setattr, show, unsafe_setattr
 from .naming import FLAT_PARAM
 from .orig_param_grads import OrigParamGrads
 from .orig_param_views import OrigParamViews
@@ -125,6 +126,11 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             aligned_numel_for(self.compute_dtype) if use_orig_params else 0,
         )
         self.layout: FlatParamLayout = layout
+        # Modules whose class overrides __setattr__ see the views written through it, unless FSDP_USE_UNSAFE_SETATTR=1
+        # (module_setattr.py; torch reads the variable here too).
+        self._setattr_modules: list[nn.Module] = (
+            [] if unsafe_setattr() else [m for m, _, _ in self._attributes() if overrides_setattr(m)]
+        )
         originals = {info: _registered(info.module, info.param_name) for info in layout.params}
         # Parameter subclasses (quantized weights carrying their quantization state, say): the unsharded views and
         # placeholders are made of the same class with the same attributes, so layers that read them keep working.
@@ -415,8 +421,10 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
                 views[info] = views[info].detach()
         for info in (*self._typed, *self.dtensors):
             views[info] = self.typed(views[info], info)
+        # (torch sets use_orig_params=False views in forward only: backward's go straight into the dicts)
+        forward = self.use_orig_params or self.training_state == HandleTrainingState.FORWARD
         for module, name, info in self._attributes():
-            module.__dict__[name] = views[info]
+            show(module, name, views[info], forward and module in self._setattr_modules)
         if self.use_orig_params and self.training_state == HandleTrainingState.FORWARD:
             self._register_views(views)
             self.forward_views = views  # (torch's `_tensors`, until the unit reshards)
@@ -465,9 +473,9 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         `module.bias is not None` or repr() keeps working while any use of the data fails loudly.
         """
         for module, name, info in self._attributes():
-            if self.use_orig_params:
-                module.__dict__.pop(name, None)
-            else:
+            if self.use_orig_params:  # the registered parameter shows again (torch sets it)
+                show(module, name, None, module in self._setattr_modules)
+            else:  # (a placeholder: torch leaves the attribute as it was, so the module's __setattr__ sees nothing)
                 module.__dict__[name] = self._placeholders[info]
         if self._registered_views:
             self._register_orig_params()

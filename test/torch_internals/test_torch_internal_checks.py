@@ -15,10 +15,8 @@ Not mirrored (they need CUDA, or observe torch's private functions being called,
 device_id / CUDA placement, `_register_pre_backward_hooks` / `_post_backward_reshard` call counts (the fine-tune
 mirror observes the resharding itself instead), `FlatParamHandle._use_unsharded_views` patching (the core mirror
 observes the tensor views themselves instead).
-
-Left out until ours gives torch's answer (each was reported with a reproduction):
-- `FSDP_USE_UNSAFE_SETATTR` (`_flat_param._FSDP_USE_UNSAFE_SETATTR`, test_fsdp_misc's test_unsafe_setattr): torch
-  sets the views through a module's `__setattr__` unless it is "1", ours never does;
+test_fsdp_misc's test_unsafe_setattr (`_flat_param._FSDP_USE_UNSAFE_SETATTR`) is mirrored in
+test_torch_internal_setattr.py.
 """
 
 from __future__ import annotations
