@@ -34,6 +34,7 @@ from .runtime import Runtime, full_precision_eval_requested
 from .same_model import check_same_model, describe_plan, describe_units
 from .state import optim_state as _optim_state
 from .state import optim_state_legacy as _optim_state_legacy
+from .state import optim_state_loading as _optim_state_loading
 from .state import state_dict as _state_dict
 from .state import state_dict_loading as _state_dict_loading
 from .summon import summon_full_params
@@ -375,7 +376,7 @@ class FullyShardedDataParallel(FSDPUnit):
 
     # Optimizer state dicts (optim_state.py; the older API in optim_state_legacy.py)
     optim_state_dict = staticmethod(_optim_state.optim_state_dict)
-    optim_state_dict_to_load = staticmethod(_optim_state.optim_state_dict_to_load)
+    optim_state_dict_to_load = staticmethod(_optim_state_loading.optim_state_dict_to_load)
     full_optim_state_dict = staticmethod(_optim_state_legacy.full_optim_state_dict)
     sharded_optim_state_dict = staticmethod(_optim_state_legacy.sharded_optim_state_dict)
     shard_full_optim_state_dict = staticmethod(_optim_state_legacy.shard_full_optim_state_dict)

@@ -4,7 +4,9 @@
     state_dict_loading.py     loading a model state dict of any type (load_state_dict's hooks)
     state_dict_dtensor.py     SHARDED values as DTensors (a device mesh, or a torch without ShardedTensor)
     sharded_tensor_compat.py  torch's ShardedTensor while torch has it
-    optim_state.py            optimizer state dicts (optim_state_dict, optim_state_dict_to_load)
+    optim_entries.py          what each parameter an optimizer holds stands for (FQNs, layout), for both below
+    optim_state.py            saving optimizer state dicts (FSDP.optim_state_dict)
+    optim_state_loading.py    loading them (FSDP.optim_state_dict_to_load)
     optim_state_named.py      optimizer state dicts keyed by parameter name (_NamedOptimizer), re-keyed by id
     optim_state_legacy.py     torch's older optimizer-state API (full_optim_state_dict, scatter_..., rekey_...)
     checkpoint.py             torch's DSD helpers (get_/set_state_dict, ...) for our models: fsdp_legacy.checkpoint

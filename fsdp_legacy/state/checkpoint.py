@@ -32,7 +32,7 @@ from ..api import (
 from ..fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from .hf_checkpoint import load_full_model as load_full_model
 from .hf_checkpoint import save_full_model as save_full_model
-from .optim_state import entries_by_param
+from .optim_entries import entries_by_param
 from .state_dict import clean_key
 from .state_dict_loading import collective_device
 

@@ -1,21 +1,17 @@
-"""Optimizer state dicts of FSDP models in torch FSDP1's formats (FSDP.optim_state_dict / optim_state_dict_to_load).
+"""Saving optimizer state dicts of FSDP models in torch FSDP1's formats (FSDP.optim_state_dict); loading them is
+optim_state_loading.py, and what each optimizer parameter stands for, optim_entries.py.
 
 The optimizer sees flat-parameter shards (use_orig_params=False: one 1-D state per unit) or 1-D pieces of the
 original parameters (use_orig_params=True; none on a rank that holds no element). Checkpoints instead name every
-original parameter by its clean FQN:
-
-* saving, per unit and state name: assemble this rank's shard of the flat state, all-gather it, cut out each original
-  parameter (FULL: a copy of the original shape; SHARDED/LOCAL: its dim-0 chunk as a ShardedTensor or DTensor, the
-  layout of the SHARDED model state dict). 0-d states (`step`) and non-tensors are copied, never gathered.
-* loading: the inverse, without communication for plain tensors (with FULL rank0_only, rank 0's dict is broadcast
-  first): each rank slices what its shard holds out of the full value. Parameters are matched by FQN, never by
-  position, so a checkpoint loads across use_orig_params settings, wrap policies and world sizes.
+original parameter by its clean FQN. Per unit and state name: assemble this rank's shard of the flat state,
+all-gather it, cut out each original parameter (FULL: a copy of the original shape; SHARDED/LOCAL: its dim-0 chunk
+as a ShardedTensor or DTensor, the layout of the SHARDED model state dict). 0-d states (`step`) and non-tensors are
+copied, never gathered.
 """
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,108 +25,21 @@ from ..api import (
 )
 from ..flat_param import ParamInfo
 from ..handle import FlatParamHandle
-from ..naming import clean_fqn
 from ..tensor_parallel import DTensorParam
 from ..unit import FSDPUnit
 from .dcp_load_hook import install as install_dcp_load_hook
-from .fresh_optim import Refill, check_load_target, note_returned
-from .optim_state_named import by_param_ids, by_param_names, keyed_by_name
-from .state_dict import chunk_sharded_tensor, clean_key, detached_copy, get_state_dict_type
+from .fresh_optim import Refill, note_returned
+from .optim_entries import Entry, copy_scalar, entries_by_param, is_scalar, param_entries
+from .optim_state_named import by_param_ids, keyed_by_name
+from .state_dict import chunk_sharded_tensor, detached_copy, get_state_dict_type
 from .state_dict_dtensor import chunk_dtensor, uses_dtensor
-from .state_dict_loading import gather_full_tensor, materialize
-
-
-class ParamGroups(Protocol):
-    """An optimizer, as far as loading needs one: its parameter groups (`ParamOrder` stands in for the older API)."""
-
-    param_groups: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class ParamOrder:
-    """What the older API needs of an optimizer it is not given: the parameters in the order the optimizer was (or
-    will be) built with, which numbers them, from `optim_input` (parameters, or param-group dicts) or the model."""
-
-    param_groups: list[dict[str, Any]]
-
-    @classmethod
-    def of(cls, model: nn.Module, optim_input: Any) -> "ParamOrder":
-        if optim_input is None:
-            return cls([{"params": list(model.parameters())}])
-        try:
-            items = list(optim_input)
-        except TypeError as error:  # torch's errors, word for word
-            raise TypeError(
-                f"Optimizer input should be an iterable of Tensors or dicts, but got {optim_input}"
-            ) from error
-        if not items:
-            raise ValueError("Optimizer input should not be empty")
-        if all(isinstance(item, dict) for item in items):
-            return cls([{"params": list(group["params"])} for group in items])
-        if not all(isinstance(item, torch.Tensor) for item in items):
-            raise TypeError("Optimizer input should be an iterable of Tensors or dicts")
-        return cls([{"params": items}])
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One parameter the optimizer steps on and the original parameters (FQN, layout info) it stands for."""
-
-    fqns: tuple[str, ...]
-    infos: tuple[ParamInfo, ...]  # empty for a parameter outside every FSDP unit
-    unit: FSDPUnit | None = None
-    handle: FlatParamHandle | None = None  # the unit's flat parameter that holds them
-
-
-def entries_by_param(model: nn.Module) -> dict[nn.Parameter, _Entry]:
-    """Every parameter an optimizer of `model` can hold (flat or original) -> the original FQNs it stands for."""
-    by_param: dict[nn.Parameter, _Entry] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPUnit):
-            continue
-        prefix = clean_key(f"{name}." if name else "")
-        for handle in module._handles:
-            if handle.use_orig_params:
-                for info, param in handle.orig_params.items():
-                    by_param[param] = _Entry((prefix + info.fqn,), (info,), module, handle)
-            else:
-                infos = handle.layout.params
-                by_param[handle.flat_param] = _Entry(tuple(prefix + i.fqn for i in infos), infos, module, handle)
-    for name, param in model.named_parameters():  # ignored parameters, or ones outside every unit
-        by_param.setdefault(param, _Entry((clean_key(name),), ()))
-    return by_param
-
-
-def _entries(model: nn.Module, optim: ParamGroups) -> list[tuple[int, _Entry]]:
-    """(optimizer group index, entry) of every optimizer parameter, in `optim.state_dict()` id order."""
-    by_param = entries_by_param(model)
-    result = []
-    for index, group in enumerate(optim.param_groups):
-        for param in group["params"]:
-            if param not in by_param:
-                raise ValueError(
-                    f"The optimizer holds a parameter of shape {tuple(param.shape)} that is not in the model: build "
-                    "the optimizer from the FSDP-wrapped model's parameters (after wrapping)."
-                )
-            result.append((index, by_param[param]))
-    return result
-
-
-def _is_scalar(value: Any) -> bool:
-    """States that are copied, not sharded: non-tensors and 0-d tensors such as Adam's `step`."""
-    return not isinstance(value, torch.Tensor) or value.dim() == 0
-
-
-def _copy_scalar(value: Any) -> Any:
-    # A copy: optimizers update `step` in place, which would otherwise change a saved dict.
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _to_cpu(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
-def _local_state_by_fqn(entries: list[tuple[int, _Entry]], state: dict[int, dict[str, Any]]) -> dict[str, dict]:
+def _local_state_by_fqn(entries: list[tuple[int, Entry]], state: dict[int, dict[str, Any]]) -> dict[str, dict]:
     """Per FQN, the local state values (flat-parameter states are listed under each of its FQNs)."""
     result: dict[str, dict[str, Any]] = {}
     for key, (_, entry) in enumerate(entries):
@@ -156,7 +65,7 @@ def _global_specs(
     and, for rank0_only, rank 0 needs the scalars of parameters it holds no part of."""
     # Scalars travel on the CPU: an unpickled accelerator tensor would land on the sender's device index.
     mine = {
-        fqn: {name: (False, _to_cpu(v)) if _is_scalar(v) else (True, v.dtype) for name, v in values.items()}
+        fqn: {name: (False, _to_cpu(v)) if is_scalar(v) else (True, v.dtype) for name, v in values.items()}
         for fqn, values in local.items()
     }
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -198,7 +107,7 @@ def optim_state_dict(
     refill = None
     if not rank0_only:  # every rank holds a target, so every rank builds its state (a collective) at the load
         params = [param for group_ in optim.param_groups for param in group_["params"]]
-        entries = _entries(model, optim)
+        entries = param_entries(model, optim)
         refill = Refill(
             [(param, entry.fqns) for param, (_, entry) in zip(params, entries, strict=True)],
             lambda osd: save_optim_state(model, optim, osd, kind, config, group),
@@ -217,7 +126,7 @@ class OptimSavePlan:
     background (async_save.py)."""
 
     osd: dict[str, Any]
-    entries: list[tuple[int, _Entry]]
+    entries: list[tuple[int, Entry]]
     units: list[tuple[FSDPUnit, FlatParamHandle, list[tuple[ParamInfo, str]]]]
     uses_orig_params: bool
     error: str | None = None  # this rank's dict could not be read: every rank raises it at the first exchange
@@ -225,7 +134,7 @@ class OptimSavePlan:
 
 def plan_optim_save(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any] | None) -> OptimSavePlan:
     osd = optim.state_dict() if osd is None else osd
-    entries = _entries(model, optim)
+    entries = param_entries(model, optim)
     error = None
     if keyed_by_name(osd):  # a named optimizer (_NamedOptimizer, torchrec's): saved as if keyed by ids
         try:
@@ -268,7 +177,7 @@ def build_optim_state(
     for key, (_, entry) in enumerate(entries):
         if entry.handle is None and keep:
             values[entry.fqns[0]] = {
-                n: _copy_scalar(v) if _is_scalar(v) else detached_copy(v, config.offload_to_cpu)
+                n: copy_scalar(v) if is_scalar(v) else detached_copy(v, config.offload_to_cpu)
                 for n, v in osd["state"].get(key, {}).items()
             }
     # Units gather in the model's order, the same on every rank whatever order each rank's optimizer has.
@@ -303,7 +212,7 @@ def _uses_orig_params(model: nn.Module) -> bool:
 
 
 def _check_rank0_states(
-    entries: list[tuple[int, _Entry]], state: dict[Any, Any], group: dist.ProcessGroup | None, error: str | None
+    entries: list[tuple[int, Entry]], state: dict[Any, Any], group: dist.ProcessGroup | None, error: str | None
 ) -> list[tuple[str, ...]] | None:
     """With flat parameters torch takes rank 0's list of states as the one every rank gathers; a rank lacking one of
     them would skip a gather and hang the others, so every rank raises torch's RuntimeError instead. (A rank's
@@ -341,7 +250,7 @@ def _handles_in_model_order(model: nn.Module) -> list[tuple[FSDPUnit, FlatParamH
     return list(handles.values())
 
 
-def _in_torch_uop_order(state: dict[str, Any], entries: list[tuple[int, _Entry]]) -> dict[str, Any]:
+def _in_torch_uop_order(state: dict[str, Any], entries: list[tuple[int, Entry]]) -> dict[str, Any]:
     """torch's FQN order with use_orig_params (it walks the sorted FQNs, copying parameters outside FSDP units at
     once and deferring the others to their unit): unmanaged sorted, then unit by unit in the order the sorted FQNs
     first reach them, each unit's sorted."""
@@ -429,8 +338,8 @@ def _save_value(
 ) -> Any:
     """One state of one parameter (`value`: whole over dp; the local piece of a DTensor parameter, which `record`
     describes) as the checkpoint holds it: as the model's state dict holds the parameter."""
-    if _is_scalar(value):
-        return _copy_scalar(value)
+    if is_scalar(value):
+        return copy_scalar(value)
     # NO_SHARD with use_orig_params keeps full tensors under SHARDED/LOCAL too, as torch does (not without).
     if full or (not handle.sharded and handle.use_orig_params):
         copy = detached_copy(value, config.offload_to_cpu)  # never a view of the gather buffer (torch's CPU bug)
@@ -438,205 +347,3 @@ def _save_value(
     if uses_dtensor(unit, config):
         return chunk_dtensor(value, unit, config.offload_to_cpu, record)
     return chunk_sharded_tensor(value, handle, config.offload_to_cpu)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Loading
-
-
-def optim_state_dict_to_load(
-    model: nn.Module,
-    optim: torch.optim.Optimizer,
-    optim_state_dict: dict[str, Any],
-    is_named_optimizer: bool = False,
-    load_directly: bool = False,
-    group: dist.ProcessGroup | None = None,
-) -> dict[str, Any]:
-    """This rank's part of an FQN-keyed optimizer state dict (FULL, SHARDED or LOCAL values), keyed as
-    `optim.state_dict()` is: int ids, flat shard states (use_orig_params=False) or 1-D pieces of the original
-    parameters (True). With a FULL rank0_only config only rank 0 needs to pass the dict. `is_named_optimizer` keys
-    it by the model's parameter names instead (what a _NamedOptimizer loads). `load_directly` loads it."""
-    settings = get_state_dict_type(model)
-    if settings is None:
-        raise ValueError("optim_state_dict_to_load needs a model with at least one FullyShardedDataParallel unit.")
-    config = settings.optim_state_dict_config
-    rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
-    check_load_target(model, optim, optim_state_dict, group)
-    result = optim_state_to_load(model, optim, optim_state_dict, broadcast=rank0_only, group=group)
-    if is_named_optimizer:
-        result = by_param_names(model, optim, result)
-    if load_directly:
-        optim.load_state_dict(result)
-    return result
-
-
-@torch.no_grad()
-def optim_state_to_load(
-    model: nn.Module, optim: ParamGroups, osd: Any, broadcast: bool, group: dist.ProcessGroup | None = None
-) -> dict[str, Any]:
-    if broadcast and dist.is_initialized() and dist.get_world_size(group) > 1:
-        holder = [osd if dist.get_rank(group) == 0 else None]
-        dist.broadcast_object_list(holder, group=group, group_src=0)  # rank 0's dict reaches every rank
-        osd = holder[0]
-    if not isinstance(osd, dict) or "state" not in osd:  # torch's message, word for word
-        raise ValueError('`optim_state_dict` must have the keys "state"to be a valid optimizer state dict')
-    entries = _entries(model, optim)
-    saved = _by_clean_fqn(osd["state"], entries_by_param(model))
-    state: dict[int, dict[str, Any]] = {}
-    for key in _keys_in_model_order(model, optim):
-        entry = entries[key][1]
-        handle = entry.handle
-        value_group = handle.group if handle is not None else group or dist.group.WORLD
-        assert value_group is not None
-        # Every rank reassembles every value (ShardedTensors need all ranks), then keeps what it holds.
-        fulls = [
-            {
-                n: gather_full_tensor(v, value_group) if not _is_scalar(v) else v
-                for n, v in ((n, materialize(v)) for n, v in saved.get(fqn, {}).items())
-            }
-            for fqn in entry.fqns
-        ]
-        if handle is not None:  # a parameter outside every unit has no layout to check against
-            for fqn, info, values in zip(entry.fqns, entry.infos, fulls, strict=True):
-                record = handle.dtensors.get(info)
-                _check_shapes(fqn, values, record.shape if record is not None else info.shape)
-                if record is not None:  # the flat parameter holds this rank's tp piece of a DTensor parameter
-                    values.update((n, record.local_piece(v)) for n, v in values.items() if not _is_scalar(v))
-        if handle is None:
-            local = {n: _copy_scalar(v) if _is_scalar(v) else v.clone() for n, v in fulls[0].items()}
-        elif not handle.use_orig_params:
-            local = _flat_local(handle, entry, fulls)
-        else:
-            local = _piece_local(handle, entry.infos[0], fulls[0])
-        if local:
-            state[key] = local
-    if "param_groups" not in osd:  # a state alone loads as a state alone, as in torch
-        return {"state": state}
-    return {"state": state, "param_groups": _param_groups(optim, entries, osd["param_groups"])}
-
-
-def _keys_in_model_order(model: nn.Module, optim: ParamGroups) -> list[int]:
-    """The optimizer's ids in the order of the model's parameters: the same on every rank, whose optimizers can order
-    them differently, so that values are reassembled in step; and torch's order of the loaded states."""
-    params = [param for group in optim.param_groups for param in group["params"]]
-    position = {param: index for index, param in enumerate(model.parameters())}
-    return sorted(range(len(params)), key=lambda key: position.get(params[key], len(position)))
-
-
-def _by_clean_fqn(saved: dict[Any, Any], entries: dict[nn.Parameter, _Entry]) -> dict[str, Any]:
-    """The saved states by clean FQN; a key that names no parameter of the model is an error, not a state to drop
-    silently (a checkpoint of another model, keys with wrapper prefixes of another wrapping, or an id-keyed dict)."""
-    known = {fqn for entry in entries.values() for fqn in entry.fqns}
-    states = {clean_fqn(key) if isinstance(key, str) else key: value for key, value in saved.items()}
-    unexpected = [key for key in states if key not in known]
-    if unexpected:
-        ids = all(isinstance(key, int) for key in unexpected)
-        raise ValueError(
-            f"The optimizer state dict has states for {sorted(map(str, unexpected))[:8]}"
-            f"{' ...' if len(unexpected) > 8 else ''}, which name no parameter of this model. "
-            + (
-                "It is keyed by parameter ids (optim.state_dict()): load it with optim.load_state_dict, or re-key it "
-                "with FSDP.rekey_optim_state_dict."
-                if ids
-                else "Load an optimizer state dict saved from this model with FSDP.optim_state_dict (FQN keys)."
-            )
-        )
-    return states
-
-
-def _check_shapes(fqn: str, values: dict[str, Any], shape: torch.Size) -> None:
-    # Slicing a state of another shape would load garbage silently (or fail far from the cause).
-    for name, value in values.items():
-        if not _is_scalar(value) and value.shape != shape:
-            piece = value.dim() == 1 and value.numel() <= math.prod(shape)
-            raise ValueError(
-                f"The optimizer state '{name}' of {fqn} has shape {tuple(value.shape)} but the parameter has shape "
-                f"{tuple(shape)}: load an optimizer state dict saved from this model (same architecture)."
-                + (
-                    " It looks like one rank's flat piece rather than the whole state: a checkpoint saved from the "
-                    "optimizer's own state_dict(), or by torch's DSD helpers without fsdp_legacy.install(), holds "
-                    "pieces; save with FSDP.optim_state_dict (or with the switch on)."
-                    if piece
-                    else ""
-                )
-            )
-
-
-def _flat_local(handle: FlatParamHandle, entry: _Entry, fulls: list[dict[str, Any]]) -> dict[str, Any]:
-    """use_orig_params=False: the flat parameter's state is this rank's shard of the concatenated full states
-    (padding and parameters without that state are zeros); none when the first parameter has none, as torch."""
-    local: dict[str, Any] = {}
-    if not fulls[0]:
-        return local
-    n = handle.local_shard.numel()
-    lo = handle.rank * n if handle.sharded else 0
-    for info, values in zip(entry.infos, fulls, strict=True):
-        for name, value in values.items():
-            if _is_scalar(value):
-                local.setdefault(name, _copy_scalar(value))
-                continue
-            if name not in local:
-                local[name] = torch.zeros(n, dtype=value.dtype, device=handle.local_shard.device)
-            start, end = max(lo, info.offset), min(lo + n, info.offset + info.numel)
-            if start < end:
-                local[name][start - lo : end - lo].copy_(value.reshape(-1)[start - info.offset : end - info.offset])
-    for name in [name for name, value in local.items() if _is_scalar(value)]:
-        _check_one_scalar(name, [values.get(name) for values in fulls], list(entry.fqns))
-    return local
-
-
-def _check_one_scalar(name: str, values: list[Any], fqns: list[str]) -> None:
-    """A flat parameter has one `step` for all its parameters: torch refuses to invent one for a parameter without
-    it (no step means full bias correction) or to pick among differing ones; its messages, word for word."""
-    prefix = "All unflattened parameters comprising a single flat parameter must have scalar state with the same value"
-    present = [value for value in values if value is not None]
-    if not present:  # None everywhere loads as None, as in torch
-        return
-    missing = len(present) != len(values)
-    if isinstance(present[0], torch.Tensor):
-        numbers = {v.item() if v is not None else None for v in values}
-        dtypes = {v.dtype if v is not None else None for v in values}
-        if missing or len(numbers) != 1 or len(dtypes) != 1:
-            raise ValueError(
-                f"{prefix} and dtype but got values {numbers} and dtypes {dtypes} for state {name} and unflattened "
-                f"parameter names {fqns}"
-            )
-    elif missing or len(set(values)) != 1:
-        raise ValueError(
-            f"{prefix} and dtype but got values {set(values)} for state {name} and  unflattened parameter names {fqns}"
-        )
-
-
-def _piece_local(handle: FlatParamHandle, info: ParamInfo, values: dict[str, Any]) -> dict[str, Any]:
-    """use_orig_params=True: the part of each state this rank's shard holds, 1-D like the parameter; no state at all
-    when it holds no element (as torch's optimizer, which never saw a gradient for an empty parameter)."""
-    if not handle.sharded:
-        return {n: _copy_scalar(v) if _is_scalar(v) else v.detach().clone() for n, v in values.items()}
-    piece = next((p for p in handle.layout.shard_pieces(handle.rank) if p.info is info), None)
-    if piece is None:
-        return {}
-    lo, hi = piece.start_in_param, piece.start_in_param + piece.numel_in_shard
-    return {n: _copy_scalar(v) if _is_scalar(v) else v.reshape(-1)[lo:hi].clone() for n, v in values.items()}
-
-
-def _param_groups(optim: ParamGroups, entries: list[tuple[int, _Entry]], saved: list[dict]) -> list[dict]:
-    """The optimizer's groups with the saved hyperparameters of the group that holds the same FQNs; without an
-    optimizer (the older API given optim_input), the saved groups, renumbered with the ids of this rank's order."""
-    if isinstance(optim, ParamOrder):
-        id_of = {fqn: key for key, (_, entry) in enumerate(entries) for fqn in entry.fqns}
-        return [
-            {
-                **{k: v for k, v in group.items() if k != "params"},
-                "params": sorted({id_of[f] for f in group["params"] if f in id_of}),  # as torch: ids sorted
-            }
-            for group in saved
-        ]
-    saved_group_of = {
-        clean_fqn(fqn) if isinstance(fqn, str) else fqn: group for group in saved for fqn in group["params"]
-    }
-    groups = []
-    for index, group in enumerate(optim.param_groups):
-        ids = [key for key, (g, _) in enumerate(entries) if g == index]
-        match = next((saved_group_of[f] for k in ids for f in entries[k][1].fqns if f in saved_group_of), group)
-        groups.append({**{k: v for k, v in match.items() if k != "params"}, "params": ids})
-    return groups

@@ -14,7 +14,9 @@ from torch import nn
 
 from ..api import FullOptimStateDictConfig, ShardedOptimStateDictConfig, StateDictType
 from ..flat_param import FlatParameter
-from .optim_state import ParamOrder, optim_state_to_load, save_optim_state
+from .optim_entries import ParamOrder
+from .optim_state import save_optim_state
+from .optim_state_loading import optim_state_to_load
 from .state_dict import clean_key
 
 _OPTIM_INPUT_WARNING = (
