@@ -249,6 +249,10 @@ class FullyShardedDataParallel(FSDPUnit):
         if self._runtime is not None:
             return self._runtime
         units = FullyShardedDataParallel.fsdp_modules(self)
+        if any(unit._is_root for unit in units[1:]):  # a unit that ran as a root already: torch's check, word for word
+            raise AssertionError(
+                "Non-root FSDP instance's `_is_root` should not have been set yet or should have been set to `False`"
+            )
         for name in _HOMOGENEOUS_ATTRIBUTES:  # settings the runtime reads once for all units: torch's check
             values = {getattr(unit, name) for unit in units}
             if len(values) != 1:
@@ -354,6 +358,15 @@ class FullyShardedDataParallel(FSDPUnit):
             return waiter
         waiter.wait()
         return None
+
+    def _reset_lazy_init(self) -> None:
+        """torch's: the next use decides the root again, as after construction (code that wraps more units around
+        ones that already ran, or drives an inner unit on its own). Every unit of this one's runtime is reset with
+        it, so that none keeps a runtime whose root may become an inner unit of another."""
+        units = self._runtime.units if self._runtime is not None else [self]
+        for unit in units:
+            unit._is_root = None
+            unit._runtime = None
 
     def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
         states = state if isinstance(state, list) else [state]
