@@ -365,6 +365,7 @@ class FullyShardedDataParallel(FSDPUnit):
         it, so that none keeps a runtime whose root may become an inner unit of another."""
         units = self._runtime.units if self._runtime is not None else [self]
         for unit in units:
+            assert isinstance(unit, FullyShardedDataParallel)
             unit._is_root = None
             unit._runtime = None
 
