@@ -124,7 +124,13 @@ def _targets(state: _Installed) -> dict[str, dict[str, Any]]:
         },
         # (torch's helpers there look a module's state up by their own binding of `_get_module_fsdp_state`)
         f"{_FSDP1}._runtime_utils": helpers(
-            "_runtime_utils", "_lazy_init", "_unshard", "_reshard", "_get_module_fsdp_state"
+            "_runtime_utils",
+            "_lazy_init",
+            "_unshard",
+            "_reshard",
+            "_post_backward_hook",
+            "_post_backward_final_callback",
+            "_get_module_fsdp_state",
         ),
         f"{_FSDP1}._traversal_utils": helpers(
             "_traversal_utils", "_get_fsdp_states", "_get_fsdp_handles", "_get_module_fsdp_state"

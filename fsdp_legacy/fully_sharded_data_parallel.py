@@ -259,15 +259,26 @@ class FullyShardedDataParallel(FSDPUnit):
                 raise ValueError(f"Expects one homogeneous value for {name} but got {values}")
         check_same_model(describe_units(self, units), (self.process_group, self._inter_node_pg), self.compute_device)
         runtime = Runtime(self, units)
+        stream = torch.get_device_module(self.compute_device.type).current_stream()
         for unit in units:
             unit._is_root = unit is self
             unit._runtime = runtime
+            unit._show_streams(stream)
             unit._cast_buffers()
             for handle in unit._handles:
                 if hasattr(handle.flat_param, "_in_backward_optimizers"):
                     raise RuntimeError("FSDP optimizer in backward only supported with use_orig_params=True!")
                 handle.adopt_replaced_flat_param()
         return runtime
+
+    def _show_streams(self, stream: Any) -> None:
+        """torch's stream attributes, set at lazy init as torch sets them (DINOv2 reads them to share one root's
+        streams with another's; torch 2.0 kept them in `_streams`, which code that finds `_handles` reads). All work
+        of ours runs on the compute device's current stream, so they all name it; values code sets are kept and
+        change nothing."""
+        for name in ("unshard", "post_backward", "pre_unshard", "all_reduce", "default"):
+            setattr(self, f"_{name}_stream", stream)
+        self._streams = {"unshard": stream, "post_backward": stream, "pre_unshard": stream, "default": stream}
 
     def _cast_buffers(self) -> None:
         """MixedPrecision.buffer_dtype: this unit's floating-point buffers are kept in that dtype from the first

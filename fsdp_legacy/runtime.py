@@ -263,9 +263,21 @@ class Runtime:
             self.pending.append(pending)
 
     def _queue_backward_callback(self) -> None:
-        if not self.backward_callback_queued:
-            self.backward_callback_queued = True
+        if not self.backward_callback_queued and _inside_backward():  # (code driving the hooks by hand calls
+            self.backward_callback_queued = True  # end_backward_by_hand() instead)
             Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def post_backward_by_hand(self, unit: FSDPUnit, handle: FlatParamHandle) -> None:
+        """torch's `_post_backward_hook` called by code outside a backward (Galvatron reduces the gradients that
+        no_sync() accumulated this way, after gathering the unit): reduce the unit's unsharded gradient now."""
+        handle.training_state = HandleTrainingState.BACKWARD_PRE
+        handle.prepare_gradient_for_backward()  # (the accumulated gradient stays aside, as before a backward)
+        self.post_backward(unit, handle)
+
+    def end_backward_by_hand(self) -> None:
+        """torch's `_post_backward_final_callback` called by such code: complete the reductions, reshard, and go
+        back to idle, as at the end of a backward."""
+        self._end_of_backward()
 
     def _end_of_backward(self) -> None:
         self._issue_reductions(self.reduce_bucket.flush())

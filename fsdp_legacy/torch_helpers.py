@@ -5,6 +5,8 @@ FSDP2, a plain module), a helper answers NOT_OURS and the switch calls torch's o
     _runtime_utils._lazy_init(state, root_module)          set up the root (verl, trainers' clip_grad_norm_)
     _runtime_utils._unshard(state, handle, stream, stream) gather one unit's parameters outside forward
     _runtime_utils._reshard(state, handle, free)           reshard it again (DINOv2, audiocraft, EMA swaps)
+    _runtime_utils._post_backward_hook(state, handle, ...) reduce a unit's gradient by hand (Galvatron, after no_sync)
+    _runtime_utils._post_backward_final_callback(state, m) and end that backward: reductions done, units resharded
     _traversal_utils._get_fsdp_states / _get_fsdp_handles  the units / handles of a model (EMA updates, grad norms)
     _common_utils._get_module_fsdp_state(...)              a module's FSDP state: the unit itself, as torch's wrapper
 """
@@ -104,3 +106,24 @@ def _ours(state: Any, handle: Any) -> list[FlatParamHandle] | None:
             return handles
         return None
     return [handle] if isinstance(handle, FlatParamHandle) else None
+
+
+def _post_backward_hook(state: Any, handle: Any, flat_param: Any = None, *unused: Any) -> Any:
+    """Reduce the unit's unsharded gradient (what no_sync() accumulated, or this backward's) into its sharded one,
+    as torch's hook does when code calls it by hand after gathering the unit with `_unshard`."""
+    handles = _ours(state, handle)
+    if handles is None:
+        return NOT_OURS
+    runtime = state._lazy_init()
+    for one in handles:
+        runtime.post_backward_by_hand(state, one)
+    return None
+
+
+def _post_backward_final_callback(state: Any, module: nn.Module) -> Any:
+    """End the backward that `_post_backward_hook` calls made by hand: every reduction completes, every unit of the
+    root's tree reshards and goes back to idle."""
+    if not isinstance(state, FullyShardedDataParallel):
+        return NOT_OURS
+    state._lazy_init().end_backward_by_hand()
+    return None
