@@ -176,6 +176,7 @@ class ReduceBucket:
             and handle.group is first.group
             and handle.replicate_group is first.replicate_group
             and handle.reduce_dtype == first.reduce_dtype
+            and (handle.pre_divide, handle.post_divide) == (first.pre_divide, first.post_divide)
             and handle.compute_device == first.compute_device
         )
 
@@ -203,15 +204,15 @@ class ReduceBucket:
         first = entries[0][0]
         handles = [handle for handle, _ in entries]
         full = _side_by_side(entries, first.reduce_dtype, first.compute_device)  # (empties `entries`)
-        pre, post = comm.gradient_divide_factors(first.data_parallel_size)
-        if pre > 1:
-            full.div_(pre)
+        if first.pre_divide > 1:  # (the units of a bucket share their divisors: fits())
+            full.div_(first.pre_divide)
         outputs = [torch.empty(handle.layout.shard_numel, dtype=full.dtype, device=full.device) for handle in handles]
         # Each unit's shard of the sum goes into its own tensor: a unit's `.grad` must not share storage with another's.
         work = comm.reduce_scatter_pieces(outputs, full, first.group)
         held = full if comm.input_read_at_wait(first.group) else None
         return [
-            PendingReduction(handle, work, output, held, post) for handle, output in zip(handles, outputs, strict=True)
+            PendingReduction(handle, work, output, held, handle.post_divide)
+            for handle, output in zip(handles, outputs, strict=True)
         ]
 
 

@@ -46,6 +46,8 @@ class FlatParamGrads:
     world_size: int
     replicate_group: dist.ProcessGroup | None
     data_parallel_size: int
+    pre_divide: float
+    post_divide: float
     comm_hook: Callable | None
     comm_hook_state: object
     sharded: bool
@@ -143,7 +145,7 @@ class FlatParamGrads:
             else:
                 self.comm_hook(self.comm_hook_state, grad)
             return PendingReduction(self, comm.DONE, output, grad, 1.0)
-        pre, post = comm.gradient_divide_factors(self.data_parallel_size)
+        pre, post = self.pre_divide, self.post_divide
         if pre > 1:
             grad.div_(pre)
         if self.sharded:

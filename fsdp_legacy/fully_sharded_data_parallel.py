@@ -20,6 +20,7 @@ from torch.distributed.distributed_c10d import _get_default_group
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .clip_grad import clip_grad_norm_
+from .collectives import gradient_divide_factors
 from .construction import (
     HYBRID_STRATEGIES,
     broadcast_from_rank0,
@@ -38,7 +39,7 @@ from .state import optim_state_loading as _optim_state_loading
 from .state import state_dict as _state_dict
 from .state import state_dict_loading as _state_dict_loading
 from .summon import summon_full_params
-from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, TrainingState, fsdp_modules
+from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, PrefetchLimits, TrainingState, fsdp_modules
 from .unit_plan import plan_unit
 
 _SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *HYBRID_STRATEGIES)
@@ -154,6 +155,7 @@ class FullyShardedDataParallel(FSDPUnit):
         self.training_state = TrainingState.IDLE
         self._is_root: bool | None = None
         self._runtime: Runtime | None = None  # shared by all units under one root, from the first forward on
+        self._exec_order_data = PrefetchLimits()  # (the root's is shared at lazy init)
 
         plan = plan_unit(
             module, is_boundary, self._ignored_params, FLATTENED, device_mesh, self._inter_node_pg is not None
@@ -264,6 +266,7 @@ class FullyShardedDataParallel(FSDPUnit):
             unit._is_root = unit is self
             unit._runtime = runtime
             unit._show_streams(stream)
+            unit._exec_order_data = self._exec_order_data
             unit._cast_buffers()
             for handle in unit._handles:
                 if hasattr(handle.flat_param, "_in_backward_optimizers"):
@@ -298,6 +301,36 @@ class FullyShardedDataParallel(FSDPUnit):
         return [handle.flat_param for handle in self._handles]
 
     # torch FSDP1's private attributes that frameworks read (docs/compatibility.md says which framework reads which).
+
+    @property
+    def _gradient_predivide_factor(self) -> float:
+        """torch's: what this unit's gradients are divided by before their reduction (its handles hold it)."""
+        return self._divide_factors()[0]
+
+    @_gradient_predivide_factor.setter
+    def _gradient_predivide_factor(self, value: float) -> None:
+        self._set_divide_factors(value, self._divide_factors()[1])
+
+    @property
+    def _gradient_postdivide_factor(self) -> float:
+        """torch's: what they are divided by after it. Code rescales a unit's gradients through it (VeOmni multiplies
+        it by the expert-parallel size for expert units), and the reduction honours it, as torch's does."""
+        return self._divide_factors()[1]
+
+    @_gradient_postdivide_factor.setter
+    def _gradient_postdivide_factor(self, value: float) -> None:
+        self._set_divide_factors(self._divide_factors()[0], value)
+
+    def _divide_factors(self) -> tuple[float, float]:
+        if self._handles:
+            return self._handles[0].pre_divide, self._handles[0].post_divide
+        replicas = self._inter_node_pg.size() if self._inter_node_pg is not None else 1
+        return self.__dict__.get("_unit_divide_factors") or gradient_divide_factors(self.world_size * replicas)
+
+    def _set_divide_factors(self, pre: float, post: float) -> None:
+        self.__dict__["_unit_divide_factors"] = (pre, post)  # (a unit without parameters keeps them itself)
+        for handle in self._handles:
+            handle.pre_divide, handle.post_divide = pre, post
 
     @property
     def _flat_param(self) -> FlatParameter | None:
@@ -408,6 +441,12 @@ class FullyShardedDataParallel(FSDPUnit):
     flatten_sharded_optim_state_dict = staticmethod(_optim_state_legacy.flatten_sharded_optim_state_dict)
     scatter_full_optim_state_dict = staticmethod(_optim_state_legacy.scatter_full_optim_state_dict)
     rekey_optim_state_dict = staticmethod(_optim_state_legacy.rekey_optim_state_dict)
+    # torch's internal entry points and warnings, which checkpointers call directly (ByteCheckpoint, Cosmos)
+    _optim_state_dict_impl = staticmethod(_optim_state_legacy.optim_state_dict_impl)
+    _optim_state_dict_to_load_impl = staticmethod(_optim_state_legacy.optim_state_dict_to_load_impl)
+    _warn_optim_input = staticmethod(_optim_state_legacy.warn_optim_input)
+    _is_using_optim_input = staticmethod(_optim_state_legacy.is_using_optim_input)
+    _warn_legacy_optim_state_dict = staticmethod(_optim_state_legacy.warn_legacy_optim_state_dict)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         return _state_dict_loading.load_state_dict(self, state_dict, strict, assign)

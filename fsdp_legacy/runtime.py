@@ -88,7 +88,8 @@ class Runtime:
                 self.forward_order.append(unit)
             self._issue_unshard(unit, backward=False)
             if self._prefetches_in_forward(unit, rerun_in_backward):
-                following = _neighbour(self.previous_forward_order, unit, +1)
+                limit = self.root._exec_order_data._forward_prefetch_limit if unit.forward_prefetch else 1
+                following = _ahead(self.previous_forward_order, unit, +1, limit)
                 if following not in self.forward_order:  # (not one this iteration ran already: an order changed)
                     self._prefetch(following, backward=False)
             for handle in unit._handles:
@@ -330,8 +331,9 @@ class Runtime:
             self._issue_unshard(unit, backward, only_sharded=True)
 
     def _prefetch_for_backward(self, current: FSDPUnit) -> None:
-        """Start the all-gather of the unit whose backward comes next (the one before `current` in forward order)."""
-        following = _neighbour(self.forward_order, current, -1)
+        """Start the all-gather of a unit whose backward comes next: the one before `current` in forward order, or as
+        many places before it as the root's backward prefetch limit says (torch's meaning of the limit)."""
+        following = _ahead(self.forward_order, current, -1, self.root._exec_order_data._backward_prefetch_limit)
         if following is not None and any(handle.needs_pre_backward for handle in following._handles):
             self._prefetch(following, backward=True)
 
@@ -380,6 +382,19 @@ def _backward_again(handle: FlatParamHandle, task: int) -> bool:
     autograd needs its parameters again, so it gathers them again, and the gradients of the backwards add up, as
     without FSDP. torch's FSDP1 does not: autograd then reads the freed storage and raises."""
     return handle.training_state == HandleTrainingState.IDLE and handle.backward_task != task
+
+
+def _ahead(order: list[FSDPUnit], unit: FSDPUnit, direction: int, limit: int) -> FSDPUnit | None:
+    """The unit `limit` places from `unit` along `order` in `direction` (+1 forward, -1 backward), or the last one
+    there is in that direction: what torch's prefetch limits (`_exec_order_data._forward_prefetch_limit`) pick. So
+    with a limit of 2 each unit gathers the one after next, and the next one was gathered by the unit before it."""
+    try:
+        index = order.index(unit)
+    except ValueError:
+        return None
+    steps = [index + direction * step for step in range(1, max(limit, 1) + 1)]
+    inside = [i for i in steps if 0 <= i < len(order)]
+    return order[inside[-1]] if inside else None
 
 
 def _neighbour(order: list[FSDPUnit], unit: FSDPUnit, step: int) -> FSDPUnit | None:

@@ -8,6 +8,7 @@ fully_sharded_data_parallel.py, which imports them to assemble the public method
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import auto
 from typing import Any
 
@@ -26,6 +27,16 @@ class TrainingState(FSDPEnum):
     IDLE = auto()
     FORWARD_BACKWARD = auto()
     SUMMON_FULL_PARAMS = auto()
+
+
+@dataclass
+class PrefetchLimits:
+    """torch's `_exec_order_data` as code sets it (Composer's forward/backward prefetch limits): how many units ahead
+    a unit's forward (with forward_prefetch) and backward (with a backward_prefetch) start the all-gathers of. Every
+    unit has one; at lazy init the units under a root share the root's, as in torch."""
+
+    _forward_prefetch_limit: int = 1
+    _backward_prefetch_limit: int = 1
 
 
 class FSDPUnit(nn.Module):
@@ -50,6 +61,7 @@ class FSDPUnit(nn.Module):
     # Per step
     training_state: TrainingState
     _is_root: bool | None  # None until the first forward decides the root
+    _exec_order_data: PrefetchLimits  # torch's name; the root's is shared by its units
     _sync_gradients: bool  # False inside no_sync()
     _comm_hook: Callable | None
     _comm_hook_state: object

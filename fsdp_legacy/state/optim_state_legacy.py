@@ -14,9 +14,11 @@ from torch import nn
 
 from ..api import FullOptimStateDictConfig, ShardedOptimStateDictConfig, StateDictType
 from ..flat_param import FlatParameter
+from ..unit import FSDPUnit
 from .optim_entries import ParamOrder
 from .optim_state import save_optim_state
 from .optim_state_loading import optim_state_to_load
+from .optim_state_named import by_param_names
 from .state_dict import clean_key
 
 _OPTIM_INPUT_WARNING = (
@@ -25,15 +27,30 @@ _OPTIM_INPUT_WARNING = (
 )
 
 
-def _deprecated(name: str, replacement: str) -> None:
-    # torch's text, including the missing space before "is being".
+def warn_legacy_optim_state_dict(curr: str, new: str, *, stacklevel: int = 1) -> None:
+    """torch's `FSDP._warn_legacy_optim_state_dict`: its text, including the missing space before "is being"."""
     warnings.warn(
-        f"``FullyShardedDataParallel.{name}``is being deprecated and is replaced by "
-        f"``FullyShardedDataParallel.{replacement}``. ``FullyShardedDataParallel.{name}`` may be removed after "
-        "PyTorch 2.2.",
+        f"``FullyShardedDataParallel.{curr}``is being deprecated and is replaced by "
+        f"``FullyShardedDataParallel.{new}``. ``FullyShardedDataParallel.{curr}`` may be removed after PyTorch 2.2.",
         FutureWarning,
-        stacklevel=3,
+        stacklevel=stacklevel + 1,
     )
+
+
+def warn_optim_input(optim_input: Any, *, stacklevel: int = 1) -> None:
+    """torch's `FSDP._warn_optim_input`."""
+    if optim_input is not None:
+        warnings.warn(_OPTIM_INPUT_WARNING, FutureWarning, stacklevel=stacklevel + 1)
+
+
+def is_using_optim_input(optim_input: Any, optim: torch.optim.Optimizer | None) -> bool:
+    """torch's `FSDP._is_using_optim_input`: whether the parameter order comes from `optim_input` (or the model, when
+    neither is given) rather than from the optimizer."""
+    return optim_input is not None or optim is None
+
+
+def _deprecated(name: str, replacement: str) -> None:
+    warn_legacy_optim_state_dict(name, replacement, stacklevel=2)
 
 
 def full_optim_state_dict(
@@ -159,11 +176,71 @@ def _param_ids(model: nn.Module, optim: torch.optim.Optimizer | None, optim_inpu
 
 
 def _check_optim_input(optim_input: Any) -> None:
-    if optim_input is not None:
-        warnings.warn(_OPTIM_INPUT_WARNING, FutureWarning, stacklevel=3)
+    warn_optim_input(optim_input, stacklevel=2)
 
 
 def _optimizer_or_order(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Any) -> Any:
     """The optimizer, whose parameter order wins as in torch; else the order `optim_input` (or the model) gives."""
     _check_optim_input(optim_input)
     return optim if optim is not None else ParamOrder.of(model, optim_input)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# torch's internal entry points, which checkpointers call directly (ByteCheckpoint): the public methods' work with the
+# state dict type given as arguments instead of by state_dict_type()
+
+
+def _check_impl_arguments(model: nn.Module, optim_input: Any, rank0_only: bool, full_state_dict: bool) -> None:
+    if full_state_dict:
+        warn_optim_input(optim_input, stacklevel=3)
+    elif optim_input is not None or rank0_only:  # torch's messages, word for word
+        raise AssertionError(
+            f"Expected optim_input to be None and rank0_only to be False, "
+            f"got optim_input={optim_input}, rank0_only={rank0_only}"
+        )
+    units = [m for m in model.modules() if isinstance(m, FSDPUnit)]
+    if len({unit._use_orig_params for unit in units}) > 1:
+        raise AssertionError("Not all FSDP modules have the same _use_orig_params value")
+
+
+def optim_state_dict_impl(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any],
+    optim_input: Any = None,
+    rank0_only: bool = True,
+    full_state_dict: bool = True,
+    group: dist.ProcessGroup | None = None,
+    cpu_offload: bool = True,
+    *,
+    _stacklevel: int = 1,
+) -> dict[str, Any]:
+    """torch's `FSDP._optim_state_dict_impl`: `optim_state_dict` (the optimizer's own) keyed by FQNs, FULL or (not
+    `full_state_dict`) SHARDED."""
+    _check_impl_arguments(model, optim_input, rank0_only, full_state_dict)
+    if full_state_dict:
+        config = FullOptimStateDictConfig(cpu_offload, rank0_only=rank0_only)
+        return save_optim_state(model, optim, optim_state_dict, StateDictType.FULL_STATE_DICT, config, group)
+    sharded = ShardedOptimStateDictConfig(cpu_offload)
+    return save_optim_state(model, optim, optim_state_dict, StateDictType.SHARDED_STATE_DICT, sharded, group)
+
+
+def optim_state_dict_to_load_impl(
+    optim_state_dict: dict[str, Any],
+    model: nn.Module,
+    optim_input: Any = None,
+    optim: torch.optim.Optimizer | None = None,
+    full_state_dict: bool = True,
+    rank0_only: bool = False,
+    is_named_optimizer: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """torch's `FSDP._optim_state_dict_to_load_impl`: this rank's part of an FQN-keyed dict, keyed as the optimizer
+    (or, without one, `optim_input`'s order) keys its state; with `rank0_only`, rank 0's dict is broadcast."""
+    _check_impl_arguments(model, optim_input, rank0_only, full_state_dict)
+    order: Any = optim if optim is not None else ParamOrder.of(model, optim_input)
+    result = optim_state_to_load(model, order, optim_state_dict, broadcast=rank0_only, group=group)
+    if is_named_optimizer:
+        assert optim is not None, "a named optimizer is given as `optim`"
+        result = by_param_names(model, optim, result)
+    return result
