@@ -303,6 +303,12 @@ class FullyShardedDataParallel(FSDPUnit):
     # torch FSDP1's private attributes that frameworks read (docs/compatibility.md says which framework reads which).
 
     @property
+    def _device_handle(self) -> Any:
+        """torch's device handle: the compute device's torch module (`torch.cuda`, `torch.cpu`), whose
+        `device_count()`, `current_stream()` and `stream()` code calls (ByteCheckpoint, ColossalAI)."""
+        return torch.get_device_module(self.compute_device.type)
+
+    @property
     def _gradient_predivide_factor(self) -> float:
         """torch's: what this unit's gradients are divided by before their reduction (its handles hold it)."""
         return self._divide_factors()[0]

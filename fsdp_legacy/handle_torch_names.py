@@ -12,6 +12,7 @@ FlatParamHandle mixes this in, last: it only reads what the handle and its other
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,7 @@ class TorchHandleNames:
     _strategy_reshards_after_forward: bool
     _fully_sharded_module: nn.Module  # the module the handle's FSDP unit wraps (torch's "fully sharded module")
     kept_for_backward: bool
+    keep_low_precision_grads: bool
 
     @property
     def skipped_sharded_views_after_forward(self) -> bool:
@@ -134,6 +136,28 @@ class TorchHandleNames:
         return self.reduce_dtype
 
     # (`_orig_param_dtype` and `_offload_params` are the handle's own.)
+
+    @property
+    def _keep_low_precision_grads(self) -> bool:
+        return self.keep_low_precision_grads
+
+    @property
+    def _device_handle(self) -> object:
+        """torch's device handle: the compute device's torch module (`torch.cuda`, `torch.cpu`), whose
+        `device_count()`, `current_stream()` and `stream()` code calls."""
+        return torch.get_device_module(self.compute_device.type)
+
+    def param_module_names(self) -> Iterator[tuple[str, str]]:
+        """(parameter name, module name) of each original parameter the flat parameter holds, in its order, then of
+        each reference to one of them under another name (tied weights), as torch's."""
+        for param_name, _, module_name in self.flat_param._param_infos:
+            yield param_name, module_name
+        yield from self.shared_param_module_names()
+
+    def shared_param_module_names(self) -> Iterator[tuple[str, str]]:
+        """(parameter name, module name) of each reference to a parameter that is held once under another name."""
+        for shared in self.flat_param._shared_param_infos:
+            yield shared.param_name, shared.module_name
 
     @property
     def sharded_grad(self) -> torch.Tensor | None:

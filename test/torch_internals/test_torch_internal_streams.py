@@ -1,7 +1,7 @@
-"""FSDP1's stream attributes as code reads and sets them, on ours next to torch's FSDP1 (through the switch, the same
-code): DINOv2 (`fsdp_synchronize_streams`) copies one root's `_unshard_stream`, `_post_backward_stream`,
-`_pre_unshard_stream`, `_all_reduce_stream` and `_default_stream` onto the other roots after their first forward, so
-that they share streams, and trains on."""
+"""FSDP1's stream attributes and device handle as code reads and sets them, on ours next to torch's FSDP1 (through
+the switch, the same code): DINOv2 (`fsdp_synchronize_streams`) copies one root's `_unshard_stream`,
+`_post_backward_stream`, `_pre_unshard_stream`, `_all_reduce_stream` and `_default_stream` onto the other roots after
+their first forward, so that they share streams, and trains on; ByteCheckpoint walks a handle's parameter names."""
 
 from __future__ import annotations
 
@@ -49,3 +49,35 @@ def test_stream_attributes_read_and_shared_between_roots_as_in_torch() -> None:
     for observed in _run(_shared_streams):
         assert observed["before"] == [False] * len(_STREAMS)
         assert observed["kinds"] == ["Stream"] * len(_STREAMS) and observed["default_is_current"]
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.proj = nn.Linear(4, 6, bias=False)
+        self.proj.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.embed(x))
+
+
+def _names_and_device() -> dict[str, Any]:
+    """ByteCheckpoint's walk over a handle's parameter names, and the device handle code asks for device counts and
+    streams (ColossalAI, Galvatron)."""
+    model = _FSDP(_Tied())
+    model(torch.tensor([[1, 2]])).sum().backward()
+    handle = model._handle
+    return {
+        "names": list(handle.param_module_names()),
+        "shared": list(handle.shared_param_module_names()),
+        "devices": [model._device_handle.device_count(), handle._device_handle.device_count()],
+        "stream": type(handle._device_handle.current_stream()).__name__,
+        "keep_low_precision_grads": handle._keep_low_precision_grads,
+    }
+
+
+def test_handle_names_and_device_handle_as_in_torch() -> None:
+    for observed in _run(_names_and_device):
+        assert observed["names"] == [("weight", "embed"), ("weight", "proj")]
+        assert observed["shared"] == [("weight", "proj")]
