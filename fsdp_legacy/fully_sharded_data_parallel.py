@@ -42,6 +42,30 @@ from .summon import summon_full_params
 from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, PrefetchLimits, TrainingState, fsdp_modules
 from .unit_plan import plan_unit
 
+# Methods of torch's FlatParamHandle that its runtime calls and libraries replace on the class (under the switch,
+# ours): ColossalAI's FP8 all-gather replaces `_all_gather_flat_param`. Ours never calls them.
+_PATCHED_HANDLE_METHODS = ("_all_gather_flat_param",)
+
+
+_WARNED_PATCHED: set[str] = set()
+
+
+def _warn_of_patched_internals() -> None:
+    """Once per process and method: a replaced torch runtime method would silently change nothing on ours."""
+    patched = [name for name in _PATCHED_HANDLE_METHODS if name in vars(FlatParamHandle)]
+    patched = [name for name in patched if name not in _WARNED_PATCHED]
+    if patched:
+        _WARNED_PATCHED.update(patched)
+        warnings.warn(
+            f"FlatParamHandle.{', '.join(patched)} was replaced (ColossalAI's FP8 all-gather, for one), but "
+            "fsdp_legacy gathers parameters with its own collectives and never calls it: parameters are gathered as "
+            "without the replacement (values unchanged, no compression). Turn the library's option off (ColossalAI: "
+            "fp8_communication=False) or use torch's FSDP1 for it.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 _SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *HYBRID_STRATEGIES)
 # What Dynamo says where it meets an FSDP unit (with fullgraph=True, an error).
 _EAGER_RUNTIME = (
@@ -255,6 +279,7 @@ class FullyShardedDataParallel(FSDPUnit):
             raise AssertionError(
                 "Non-root FSDP instance's `_is_root` should not have been set yet or should have been set to `False`"
             )
+        _warn_of_patched_internals()
         for name in _HOMOGENEOUS_ATTRIBUTES:  # settings the runtime reads once for all units: torch's check
             values = {getattr(unit, name) for unit in units}
             if len(values) != 1:
