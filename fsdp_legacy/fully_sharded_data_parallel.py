@@ -20,7 +20,6 @@ from torch.distributed.distributed_c10d import _get_default_group
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .clip_grad import clip_grad_norm_
-from .collectives import gradient_divide_factors
 from .construction import (
     HYBRID_STRATEGIES,
     broadcast_from_rank0,
@@ -41,30 +40,7 @@ from .state import state_dict_loading as _state_dict_loading
 from .summon import summon_full_params
 from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, PrefetchLimits, TrainingState, fsdp_modules
 from .unit_plan import plan_unit
-
-# Methods of torch's FlatParamHandle that its runtime calls and libraries replace on the class (under the switch,
-# ours): ColossalAI's FP8 all-gather replaces `_all_gather_flat_param`. Ours never calls them.
-_PATCHED_HANDLE_METHODS = ("_all_gather_flat_param",)
-
-
-_WARNED_PATCHED: set[str] = set()
-
-
-def _warn_of_patched_internals() -> None:
-    """Once per process and method: a replaced torch runtime method would silently change nothing on ours."""
-    patched = [name for name in _PATCHED_HANDLE_METHODS if name in vars(FlatParamHandle)]
-    patched = [name for name in patched if name not in _WARNED_PATCHED]
-    if patched:
-        _WARNED_PATCHED.update(patched)
-        warnings.warn(
-            f"FlatParamHandle.{', '.join(patched)} was replaced (ColossalAI's FP8 all-gather, for one), but "
-            "fsdp_legacy gathers parameters with its own collectives and never calls it: parameters are gathered as "
-            "without the replacement (values unchanged, no compression). Turn the library's option off (ColossalAI: "
-            "fp8_communication=False) or use torch's FSDP1 for it.",
-            UserWarning,
-            stacklevel=3,
-        )
-
+from .unit_torch_names import TorchUnitNames, warn_of_patched_internals
 
 _SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *HYBRID_STRATEGIES)
 # What Dynamo says where it meets an FSDP unit (with fullgraph=True, an error).
@@ -79,7 +55,7 @@ _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_S
 _HOMOGENEOUS_ATTRIBUTES = ("_use_orig_params", "limit_all_gathers", "_use_full_prec_in_eval")
 
 
-class FullyShardedDataParallel(FSDPUnit):
+class FullyShardedDataParallel(TorchUnitNames, FSDPUnit):
     """Shards a module's parameters, gradients and optimizer state across ranks (torch FSDP1's API).
 
     Each wrapped unit (this module, and every submodule the auto_wrap_policy selects) flattens the parameters it owns
@@ -279,7 +255,7 @@ class FullyShardedDataParallel(FSDPUnit):
             raise AssertionError(
                 "Non-root FSDP instance's `_is_root` should not have been set yet or should have been set to `False`"
             )
-        _warn_of_patched_internals()
+        warn_of_patched_internals()
         for name in _HOMOGENEOUS_ATTRIBUTES:  # settings the runtime reads once for all units: torch's check
             values = {getattr(unit, name) for unit in units}
             if len(values) != 1:
@@ -299,15 +275,6 @@ class FullyShardedDataParallel(FSDPUnit):
                 handle.adopt_replaced_flat_param()
         return runtime
 
-    def _show_streams(self, stream: Any) -> None:
-        """torch's stream attributes, set at lazy init as torch sets them (DINOv2 reads them to share one root's
-        streams with another's; torch 2.0 kept them in `_streams`, which code that finds `_handles` reads). All work
-        of ours runs on the compute device's current stream, so they all name it; values code sets are kept and
-        change nothing."""
-        for name in ("unshard", "post_backward", "pre_unshard", "all_reduce", "default"):
-            setattr(self, f"_{name}_stream", stream)
-        self._streams = {"unshard": stream, "post_backward": stream, "pre_unshard": stream, "default": stream}
-
     def _cast_buffers(self) -> None:
         """MixedPrecision.buffer_dtype: this unit's floating-point buffers are kept in that dtype from the first
         forward on, as torch FSDP1 does."""
@@ -326,56 +293,6 @@ class FullyShardedDataParallel(FSDPUnit):
         return [handle.flat_param for handle in self._handles]
 
     # torch FSDP1's private attributes that frameworks read (docs/compatibility.md says which framework reads which).
-
-    @property
-    def _device_handle(self) -> Any:
-        """torch's device handle: the compute device's torch module (`torch.cuda`, `torch.cpu`), whose
-        `device_count()`, `current_stream()` and `stream()` code calls (ByteCheckpoint, ColossalAI)."""
-        return torch.get_device_module(self.compute_device.type)
-
-    @property
-    def _gradient_predivide_factor(self) -> float:
-        """torch's: what this unit's gradients are divided by before their reduction (its handles hold it)."""
-        return self._divide_factors()[0]
-
-    @_gradient_predivide_factor.setter
-    def _gradient_predivide_factor(self, value: float) -> None:
-        self._set_divide_factors(value, self._divide_factors()[1])
-
-    @property
-    def _gradient_postdivide_factor(self) -> float:
-        """torch's: what they are divided by after it. Code rescales a unit's gradients through it (VeOmni multiplies
-        it by the expert-parallel size for expert units), and the reduction honours it, as torch's does."""
-        return self._divide_factors()[1]
-
-    @_gradient_postdivide_factor.setter
-    def _gradient_postdivide_factor(self, value: float) -> None:
-        self._set_divide_factors(self._divide_factors()[0], value)
-
-    def _divide_factors(self) -> tuple[float, float]:
-        if self._handles:
-            return self._handles[0].pre_divide, self._handles[0].post_divide
-        replicas = self._inter_node_pg.size() if self._inter_node_pg is not None else 1
-        return self.__dict__.get("_unit_divide_factors") or gradient_divide_factors(self.world_size * replicas)
-
-    def _set_divide_factors(self, pre: float, post: float) -> None:
-        self.__dict__["_unit_divide_factors"] = (pre, post)  # (a unit without parameters keeps them itself)
-        for handle in self._handles:
-            handle.pre_divide, handle.post_divide = pre, post
-
-    @property
-    def _flat_param(self) -> FlatParameter | None:
-        return self._handle.flat_param if self._handle is not None else None
-
-    @property
-    def _has_params(self) -> bool:
-        return self._handle is not None
-
-    @property
-    def _all_handles(self) -> list[FlatParamHandle]:
-        """The handles of every unit in this one's tree, in pre-order: what torch sets on the root at lazy init (torch
-        has none before it, nor on inner units)."""
-        return [handle for unit in fsdp_modules(self) for handle in unit._handles]
 
     @property
     def _use_full_prec_in_eval(self) -> bool:
@@ -420,29 +337,6 @@ class FullyShardedDataParallel(FSDPUnit):
     def check_is_root(self) -> bool:
         self._lazy_init()
         return bool(self._is_root)
-
-    def _unshard(self, async_op: bool = False) -> "UnshardWait | None":
-        """torch's explicit prefetch: gather this unit's parameters now, so that its next forward uses them instead
-        of gathering. With `async_op` the all-gather runs while the caller goes on and the returned object's
-        `wait()` completes it (the forward waits for it otherwise)."""
-        for handle in self._handles:
-            handle.start_unshard()
-            handle.prefetched = True
-        waiter = UnshardWait(list(self._handles))
-        if async_op:
-            return waiter
-        waiter.wait()
-        return None
-
-    def _reset_lazy_init(self) -> None:
-        """torch's: the next use decides the root again, as after construction (code that wraps more units around
-        ones that already ran, or drives an inner unit on its own). Every unit of this one's runtime is reset with
-        it, so that none keeps a runtime whose root may become an inner unit of another."""
-        units = self._runtime.units if self._runtime is not None else [self]
-        for unit in units:
-            assert isinstance(unit, FullyShardedDataParallel)
-            unit._is_root = None
-            unit._runtime = None
 
     def _assert_state(self, state: TrainingState | list[TrainingState]) -> None:
         states = state if isinstance(state, list) else [state]
@@ -591,19 +485,6 @@ def _hide_runtime_from_dynamo() -> None:
     _pre_forward = torch.compiler.disable(_pre_forward, reason=_EAGER_RUNTIME)
     _post_forward = torch.compiler.disable(_post_forward, reason=_EAGER_RUNTIME)
     _runtime_hidden = True
-
-
-class UnshardWait:
-    """What `FSDP._unshard(async_op=True)` returns: `wait()` completes the gathers (torch's UnshardHandle)."""
-
-    def __init__(self, handles: list[FlatParamHandle]) -> None:
-        self._handles = handles
-
-    def wait(self) -> None:
-        for handle in self._handles:
-            if handle.prefetched:  # (else a forward has used the gather already, or it was dropped)
-                handle.wait_unshard()
-        self._handles = []
 
 
 def _post_backward_hook(
