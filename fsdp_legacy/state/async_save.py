@@ -114,11 +114,33 @@ def side_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGr
     if cached is None or cached[0] is not default:
         # Every rank of the job makes it when the save is over all of them; a subgroup's ranks alone, otherwise.
         local = len(ranks) < dist.get_world_size()
-        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
+        group = made_at_background_priority(
+            lambda: dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
+        )
         assert group is not None
         _side_groups[ranks] = (default, group)
         return group
     return cached[1]
+
+
+def made_at_background_priority(make: Callable[[], Any]) -> Any:
+    """`make()` run by a thread at the background saves' nice value: gloo starts its worker and transport threads
+    when a group is made, and on Linux a thread inherits its maker's nice value, so the save's collectives then run
+    below training as the save's own thread does, instead of at training's priority."""
+    made: Future = Future()
+
+    def run() -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        try:
+            made.set_result(make())
+        except BaseException as error:
+            made.set_exception(error)
+
+    maker = threading.Thread(target=run, name="fsdp_legacy save group")
+    maker.start()
+    maker.join()
+    return made.result()
 
 
 def _start(where: str, started: float, work: Callable[[], Any], host_bytes: int) -> AsyncSave:

@@ -23,7 +23,7 @@ import harness
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType, dcp_checkpoint
 from fsdp_legacy.checkpoint import latest, save_full_model, save_full_model_async
-from fsdp_legacy.state import hf_checkpoint
+from fsdp_legacy.state import async_save, hf_checkpoint
 from fsdp_utils import Config, batch, build_ours, loss_of
 from harness import RankError, run_on_ranks
 
@@ -299,3 +299,29 @@ def _sharded_async(directory: str, config: Config) -> float:
 def test_sharded_save_in_the_background_loads_as_the_synchronous_one(tmp_path, strategy: str) -> None:
     held = run_on_ranks(_sharded_async, 2, str(tmp_path / strategy), Config("transformer", strategy=strategy))
     assert all(h > 0 for h in held)
+
+
+def _thread_nices() -> dict[int, int]:
+    nices = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as stat:
+            nices[int(tid)] = int(stat.read().rsplit(")", 1)[1].split()[16])
+    return nices
+
+
+def _side_group_threads() -> dict[str, list[int]]:
+    before = _thread_nices()
+    group = async_save.made_at_background_priority(lambda: dist.new_group(backend="gloo"))
+    dist.barrier(group=group)
+    started = {tid: nice for tid, nice in _thread_nices().items() if tid not in before}
+    return {"started": sorted(started.values()), "training": [os.getpriority(os.PRIO_PROCESS, 0)]}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values are Linux's")
+def test_the_save_groups_threads_run_below_training() -> None:
+    """gloo starts its worker and transport threads when a group is made: made for the background saves, they take
+    the saves' nice value (Linux threads inherit their maker's), so the save's collectives yield the cores to
+    training as its writing does (they ran at training's priority before: steps during a DCP save were 1.4x)."""
+    for observed in run_on_ranks(_side_group_threads, 2):
+        assert observed["started"] and set(observed["started"]) == {async_save.BACKGROUND_NICE}
+        assert observed["training"] == [0]
