@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 # Methods of torch's FlatParamHandle that its runtime calls and libraries replace on the class (under the switch,
 # ours): ColossalAI's FP8 all-gather replaces `_all_gather_flat_param`. Ours never calls them.
 _PATCHED_HANDLE_METHODS = ("_all_gather_flat_param",)
-
-
 _WARNED_PATCHED: set[str] = set()
 
 
@@ -47,6 +45,8 @@ def warn_of_patched_internals() -> None:
 
 
 class TorchUnitNames:
+    """Mixed into FullyShardedDataParallel (before FSDPUnit): torch's private names over the unit's own state."""
+
     # The unit's state these names read (unit.py, set by the wrapper).
     _handles: list[FlatParamHandle]
     compute_device: torch.device

@@ -8,8 +8,10 @@ stepped still saves and loads as with torch's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ import fsdp_legacy
 import fsdp_legacy.checkpoint as ours_dsd
 from fsdp_legacy import dcp_checkpoint
 from fsdp_legacy.convert import CheckpointError
+from fsdp_legacy.state import dcp_load_hook
 from fsdp_utils import Config, batch, build_ours, build_torch_fsdp, full_params, loss_of
 from harness import run_on_ranks
 
@@ -127,13 +130,16 @@ def _resumes_exactly(path: str, how: str, uop: bool) -> dict[str, torch.Tensor]:
             reader = dcp.FileSystemReader(path)
             osd = load_sharded_optimizer_state_dict(state["model"], "optim", reader)["optim"]
             fresh.load_state_dict(fsdp.optim_state_dict_to_load(resumed, fresh, osd))
-    elif how in ("dcp.load", "dcp_checkpoint.load"):  # into the fresh optimizer's dict, as Accelerate does
+    elif how in ("dcp.load", "dcp.load, metadata on rank 0 only", "dcp_checkpoint.load"):  # as Accelerate does
         with _sharded(resumed, "ours"):
             state = {"model": resumed.state_dict(), "optim": fsdp.optim_state_dict(resumed, fresh)}
-            if how == "dcp.load":
-                dcp.load(state, checkpoint_id=path)
-            else:
+            if how == "dcp_checkpoint.load":
                 dcp_checkpoint.load(state, path)
+            else:  # (a rank that cannot read the metadata is told it by rank 0, as DCP's own load tells it)
+                hidden = how.endswith("only") and dist.get_rank() != 0
+                refused = mock.patch.object(dcp_load_hook, "read_metadata", side_effect=AssertionError("unseen"))
+                with refused if hidden else contextlib.nullcontext():
+                    dcp.load(state, checkpoint_id=path)
             resumed.load_state_dict(state["model"])
             fresh.load_state_dict(fsdp.optim_state_dict_to_load(resumed, fresh, state["optim"]))
     else:  # our DSD helpers create the state of the target first, and our loader checks the checkpoint
@@ -147,7 +153,14 @@ def _resumes_exactly(path: str, how: str, uop: bool) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("uop", [False, True])
 @pytest.mark.parametrize(
-    "how", ["dcp.load", "dcp_checkpoint.load", "load_sharded_optimizer_state_dict", "fsdp_legacy.checkpoint"]
+    "how",
+    [
+        "dcp.load",
+        "dcp.load, metadata on rank 0 only",
+        "dcp_checkpoint.load",
+        "load_sharded_optimizer_state_dict",
+        "fsdp_legacy.checkpoint",
+    ],
 )
 def test_a_resume_into_a_fresh_optimizer_is_exact(tmp_path, how: str, uop: bool) -> None:
     """Every way, use_orig_params both ways: the resumed run equals the uninterrupted one, bit for bit."""
