@@ -251,10 +251,6 @@ class FullyShardedDataParallel(TorchUnitNames, FSDPUnit):
         if self._runtime is not None:
             return self._runtime
         units = FullyShardedDataParallel.fsdp_modules(self)
-        if any(unit._is_root for unit in units[1:]):  # a unit that ran as a root already: torch's check, word for word
-            raise AssertionError(
-                "Non-root FSDP instance's `_is_root` should not have been set yet or should have been set to `False`"
-            )
         warn_of_patched_internals()
         for name in _HOMOGENEOUS_ATTRIBUTES:  # settings the runtime reads once for all units: torch's check
             values = {getattr(unit, name) for unit in units}
