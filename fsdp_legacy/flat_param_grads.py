@@ -45,7 +45,6 @@ class FlatParamGrads:
     group: dist.ProcessGroup
     world_size: int
     replicate_group: dist.ProcessGroup | None
-    data_parallel_size: int
     pre_divide: float
     post_divide: float
     comm_hook: Callable | None

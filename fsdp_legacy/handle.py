@@ -78,11 +78,11 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         self.world_size = group.size()
         # Hybrid sharding: the sharded gradient is then all-reduced across the replicas of this shard group.
         self.replicate_group = replicate_group
-        self.data_parallel_size = self.world_size * (replicate_group.size() if replicate_group is not None else 1)
         # What the gradient is divided by before and after its reduction (their product: the mean over the data
         # parallel ranks); the unit's `_gradient_predivide_factor` / `_gradient_postdivide_factor`, which code
         # rescales (VeOmni: expert-parallel units), set them.
-        self.pre_divide, self.post_divide = comm.gradient_divide_factors(self.data_parallel_size)
+        replicas = replicate_group.size() if replicate_group is not None else 1
+        self.pre_divide, self.post_divide = comm.gradient_divide_factors(self.world_size * replicas)
         self.comm_hook: Callable | None = None  # register_comm_hook: replaces the default reduction
         self.comm_hook_state: object = None
         self.sharded = sharded

@@ -392,15 +392,5 @@ def _ahead(order: list[FSDPUnit], unit: FSDPUnit, direction: int, limit: int) ->
         index = order.index(unit)
     except ValueError:
         return None
-    steps = [index + direction * step for step in range(1, max(limit, 1) + 1)]
-    inside = [i for i in steps if 0 <= i < len(order)]
-    return order[inside[-1]] if inside else None
-
-
-def _neighbour(order: list[FSDPUnit], unit: FSDPUnit, step: int) -> FSDPUnit | None:
-    """The unit `step` places from `unit` in `order` (forward order; step -1 is the next one in backward)."""
-    try:
-        index = order.index(unit) + step
-    except ValueError:
-        return None
-    return order[index] if 0 <= index < len(order) else None
+    target = min(max(index + direction * max(limit, 1), 0), len(order) - 1)
+    return order[target] if target != index else None

@@ -88,6 +88,17 @@ def _run_both(check: Callable[..., Any], *args: Any) -> list[dict[str, Any]]:
     return run_on_ranks(_side_by_side, WORLD_SIZE, check, *args)
 
 
+def _switched(check: Callable[..., Any], *args: Any) -> Any:
+    torch.manual_seed(0)
+    with switched_on():
+        return check(*args)
+
+
+def _run_ours(check: Callable[..., Any], *args: Any) -> list[Any]:
+    """Run `check` on the ranks with ours alone, through the switch (where torch's FSDP1 raises or has no twin)."""
+    return run_on_ranks(_switched, WORLD_SIZE, check, *args)
+
+
 def _each(check: Callable[..., Any], cases: list[tuple]) -> list[Any]:
     """`check` over several cases in one job (each from the same seed)."""
     seen = []

@@ -35,10 +35,10 @@ _KEPT = 4  # targets remembered per optimizer: a resume takes one
 @dataclass(frozen=True)
 class Refill:
     """How to build a target's state: the optimizer's parameters in its state-dict order, with the FQNs each stands
-    for, and the save that turns an id-keyed optimizer state dict into the target's format (a collective: every rank
-    holding the model runs it)."""
+    for (read when a load fills the target, not on every save), and the save that turns an id-keyed optimizer state
+    dict into the target's format (a collective: every rank holding the model runs it)."""
 
-    params: list[tuple[torch.Tensor, tuple[str, ...]]]
+    params: Callable[[], list[tuple[torch.Tensor, tuple[str, ...]]]]
     build: Callable[[dict[str, Any]], dict[str, Any]]
     uses_orig_params: bool
 
@@ -117,7 +117,8 @@ def fill_from_checkpoint(tree: Any, metadata: Metadata) -> None:
         if not held:
             target.checked = True  # saved before the first step: nothing to restore
             continue
-        state = {i: _zeros(param, fqns, held, refill.uses_orig_params) for i, (param, fqns) in enumerate(refill.params)}
+        params = enumerate(refill.params())
+        state = {i: _zeros(param, fqns, held, refill.uses_orig_params) for i, (param, fqns) in params}
         built = refill.build({"state": {i: s for i, s in state.items() if s}})
         target.osd["state"].update(built["state"])
 

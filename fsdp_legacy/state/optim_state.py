@@ -106,16 +106,20 @@ def optim_state_dict(
     rank0_only = kind == StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False)
     refill = None
     if not rank0_only:  # every rank holds a target, so every rank builds its state (a collective) at the load
-        params = [param for group_ in optim.param_groups for param in group_["params"]]
-        entries = param_entries(model, optim)
         refill = Refill(
-            [(param, entry.fqns) for param, (_, entry) in zip(params, entries, strict=True)],
+            lambda: _params_and_fqns(model, optim),
             lambda osd: save_optim_state(model, optim, osd, kind, config, group),
             _uses_orig_params(model),
         )
     note_returned(optim, result, refill)
     install_dcp_load_hook()  # (normally done when fsdp_legacy was imported)
     return result
+
+
+def _params_and_fqns(model: nn.Module, optim: torch.optim.Optimizer) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+    """Each parameter the optimizer holds, in its state-dict order, with the FQNs it stands for."""
+    params = [param for group in optim.param_groups for param in group["params"]]
+    return [(param, entry.fqns) for param, (_, entry) in zip(params, param_entries(model, optim), strict=True)]
 
 
 @dataclass

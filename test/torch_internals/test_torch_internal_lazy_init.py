@@ -10,9 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_utils import switched_on
-from harness import run_on_ranks
-from torch_side_by_side import _FSDP, WORLD_SIZE, _fsdp, _full_params, _run, _units
+from torch_side_by_side import _FSDP, _fsdp, _full_params, _run, _run_ours, _units
 
 
 def _reset_all(model: nn.Module) -> None:
@@ -54,18 +52,13 @@ def test_units_that_ran_wrapped_into_a_larger_model_after_a_reset() -> None:
         assert observed["roots"] == [True, False]
 
 
-def _ours(check: Any, *args: Any) -> Any:
-    with switched_on():
-        return check(*args)
-
-
 def test_without_the_reset_ours_makes_the_outer_unit_the_root() -> None:
     """torch raises its AssertionError ("Non-root FSDP instance's `_is_root` should not have been set yet ...") when
     the outer unit's first forward finds a unit that ran as a root; ours decides the root again, as the reset does,
     and trains as with the reset (its own lazy initialisation also runs in more places than torch's, such as an inner
     unit's forward under summon_full_params of the root, which TRL's generation takes)."""
-    with_reset = run_on_ranks(_ours, WORLD_SIZE, _wrapped_after_use, True)
-    without = run_on_ranks(_ours, WORLD_SIZE, _wrapped_after_use, False)
+    with_reset = _run_ours(_wrapped_after_use, True)
+    without = _run_ours(_wrapped_after_use, False)
     assert without == with_reset
 
 

@@ -14,9 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_utils import switched_on
-from harness import run_on_ranks
-from torch_side_by_side import _FSDP, WORLD_SIZE, _fsdp, _full_params, _run
+from torch_side_by_side import _FSDP, _fsdp, _full_params, _run, _run_ours
 
 
 def _reduce_by_hand(model: nn.Module) -> None:
@@ -91,14 +89,9 @@ def test_gradients_reduced_by_hand_after_no_sync_as_in_torch(strategy: str) -> N
         _same_training(observed)
 
 
-def _ours(strategy: str) -> dict[str, Any]:
-    with switched_on():
-        return _both(strategy, True)
-
-
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_gradients_reduced_by_hand_with_use_orig_params(strategy: str) -> None:
     """Beyond torch: its `_unshard` in BACKWARD_PRE raises AttributeError with use_orig_params=True (no forward
     tensors to reuse); ours reduces as plain accumulation does."""
-    for observed in run_on_ranks(_ours, WORLD_SIZE, strategy):
+    for observed in _run_ours(_both, strategy, True):
         _same_training(observed)

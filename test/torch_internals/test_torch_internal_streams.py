@@ -12,9 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_utils import switched_on
-from harness import run_on_ranks
-from torch_side_by_side import _FSDP, WORLD_SIZE, _fsdp, _full_params, _run
+from torch_side_by_side import _FSDP, _fsdp, _full_params, _run, _run_ours
 
 _STREAMS = ("_unshard_stream", "_post_backward_stream", "_pre_unshard_stream", "_all_reduce_stream", "_default_stream")
 
@@ -103,10 +101,5 @@ def _patched_all_gather() -> list[str]:
 
 
 def test_a_patched_all_gather_is_reported() -> None:
-    for said in run_on_ranks(_ours_switched, WORLD_SIZE, _patched_all_gather):
+    for said in _run_ours(_patched_all_gather):
         assert len(said) == 1 and "never calls it" in said[0]
-
-
-def _ours_switched(check: Any) -> Any:
-    with switched_on():
-        return check()
