@@ -1,5 +1,6 @@
 """Public enums and configuration dataclasses, with torch FSDP1's names, values and defaults."""
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -143,3 +144,9 @@ class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig
+
+
+def full_precision_eval_requested() -> bool:
+    """torch FSDP1's switch FSDP_USE_FULL_PREC_IN_EVAL=1: in eval mode, mixed-precision units compute in full
+    precision. Read at each root forward, as torch reads it."""
+    return os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"

@@ -19,6 +19,7 @@ This module is the one place in the package that imports torch's FSDP1 modules, 
 
 from __future__ import annotations
 
+import abc
 import importlib
 import sys
 import types
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import api, torch_helpers, wrap
+from . import api, patch_watch, torch_helpers, wrap
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .handle import FlatParamHandle, HandleTrainingState
@@ -77,6 +78,8 @@ def install() -> None:
             setattr(module, name, ours)
     _state = state  # before the sweep: code it triggers may ask installed()
     _sweep(swaps, state, skip=set(targets))
+    torch_handle = next((value for module, name, value in state.replaced if name == "FlatParamHandle"), None)
+    patch_watch.take(_FSDP1, FlatParamHandle, torch_handle if isinstance(torch_handle, type) else None)
 
 
 def uninstall() -> None:
@@ -84,6 +87,7 @@ def uninstall() -> None:
     global _state
     if _state is None:
         return
+    patch_watch.forget()
     for namespace, name, previous in reversed(_state.replaced):
         if previous is _MISSING:
             _delattr(namespace, name)
@@ -120,6 +124,7 @@ def _targets(state: _Installed) -> dict[str, dict[str, Any]]:
         f"{_FSDP1}._common_utils": {
             "TrainingState": TrainingState,
             "HandleTrainingState": HandleTrainingState,
+            "_FSDPState": _fsdp_state_type(),
             **helpers("_common_utils", "_get_module_fsdp_state", "_get_module_fsdp_state_if_fully_sharded_module"),
         },
         # (torch's helpers there look a module's state up by their own binding of `_get_module_fsdp_state`)
@@ -130,12 +135,31 @@ def _targets(state: _Installed) -> dict[str, dict[str, Any]]:
             "_reshard",
             "_post_backward_hook",
             "_post_backward_final_callback",
+            "_post_backward_reshard",
+            "_reduce_grad",
+            "_reduce_grad_no_shard",
+            "_low_precision_hook_enabled",
             "_get_module_fsdp_state",
         ),
         f"{_FSDP1}._traversal_utils": helpers(
             "_traversal_utils", "_get_fsdp_states", "_get_fsdp_handles", "_get_module_fsdp_state"
         ),
     }
+
+
+def _fsdp_state_type() -> type:
+    """torch's `_common_utils._FSDPState` as code tests it, `isinstance(unit, _FSDPState)`: true of our units and of
+    whatever torch's own class covers (its wrapper), so torch's helpers that test it still find torch's units."""
+
+    class _FSDPState(abc.ABC):  # noqa: B024 (no abstract methods: it only answers isinstance)
+        """An FSDP1 unit's state: fsdp_legacy's units, and torch's own FSDP1 states."""
+
+    _FSDPState.register(FullyShardedDataParallel)
+    try:
+        _FSDPState.register(importlib.import_module(f"{_FSDP1}._common_utils")._FSDPState)
+    except (ImportError, AttributeError):
+        pass
+    return _FSDPState
 
 
 def _falls_back(state: _Installed, module_name: str, name: str) -> Callable[..., Any]:

@@ -55,6 +55,7 @@ class FlatParamGrads:
     grads_on_orig_params: bool
     reduce_dtype: torch.dtype
     grad_dtype: torch.dtype
+    compute_device: torch.device
     layout: FlatParamLayout
     local_shard: torch.Tensor
     flat_param: FlatParameter
@@ -76,6 +77,9 @@ class FlatParamGrads:
         raise NotImplementedError  # (OrigParamGrads)
 
     def _accumulate_compact(self, shard_grad: torch.Tensor) -> None:
+        raise NotImplementedError  # (OrigParamGrads)
+
+    def local_sharded_grad(self) -> torch.Tensor | None:
         raise NotImplementedError  # (OrigParamGrads)
 
     def prepare_gradient_for_backward(self) -> None:
@@ -115,6 +119,34 @@ class FlatParamGrads:
         if unsynced is None:
             return grad
         return unsynced if grad is None else grad.add_(unsynced)
+
+    def take_grad_left_by_code(self) -> torch.Tensor | None:
+        """The unsharded gradient code leaves on the flat parameter for torch's `_reduce_grad` (Galvatron's copy of
+        torch's post-backward hook): the no_sync() gradient shown there, as the code changed it in place or cast it to
+        the reduce dtype. It replaces the one kept aside, padded to the world size for the reduce-scatter."""
+        grad = self.flat_param.grad
+        if grad is None:
+            return None
+        if not self.uses_buffer:  # NO_SHARD in full precision: reduced in place in `.grad`, in the parameter's dtype
+            if grad.dtype != self.flat_param.dtype:
+                assign_grad(self.flat_param, grad.to(self.flat_param.dtype))
+            self.prepare_gradient_for_backward()
+            return self.flat_param.grad
+        if self.unsynced_grad is None or grad.numel() != self.layout.numel:
+            raise RuntimeError(
+                "FSDP's `_reduce_grad` reduces the unsharded gradient that no_sync() accumulated on the flat "
+                f"parameter, but this unit's `flat_param.grad` is not one (its {grad.numel()} elements are the "
+                "reduced sharded gradient of a synchronised backward): call it only after backwards run under "
+                "no_sync(), once per unit."
+            )
+        self.flat_param.grad = None
+        self.prepare_gradient_for_backward()  # (the sharded gradient from before no_sync() stays aside)
+        unsynced, self.unsynced_grad = self.unsynced_grad, None
+        if grad.dtype == unsynced.dtype and grad.data_ptr() == unsynced.data_ptr():
+            return unsynced  # shown as a view of the padded buffer: nothing to copy
+        padded = grad.new_zeros(self.layout.padded_numel)
+        padded[: grad.numel()].copy_(grad)
+        return padded
 
     def _expose_unsynced_grads(self) -> None:
         """As torch FSDP1 shows them under no_sync(): the flat gradient unsharded and unpadded (use_orig_params=False),
@@ -196,6 +228,28 @@ class FlatParamGrads:
             self._expose_unsynced_grads()
         elif self.use_orig_params:
             self._use_orig_grad_views()
+
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """The whole flat tensor (padded) of which every rank holds `shard` (the tensor itself under NO_SHARD)."""
+        if not self.sharded:
+            return shard
+        shard = shard.to(self.compute_device)  # an offloaded shard travels to the compute device for the collective
+        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        comm.all_gather(full, shard.contiguous(), self.group).wait()
+        return full
+
+    def gather_full_grad(self) -> torch.Tensor | None:
+        """The whole flat gradient, or None if no rank has one. With use_orig_params=True a rank holding only frozen
+        parameters has none of its own, so the ranks agree first, and such a rank contributes zeros."""
+        grad = self.local_sharded_grad()
+        if self.sharded:
+            anyone = torch.tensor([float(grad is not None)], device=self.compute_device)
+            dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=self.group)
+            if not anyone.item():
+                return None
+            if grad is None:
+                grad = torch.zeros_like(self.local_shard, dtype=self.grad_dtype)
+        return None if grad is None else self.gather_full(grad)
 
     def _step_optimizers_in_backward(self) -> None:
         """Optimizers applied in backward (torch.distributed.optim._apply_optimizer_in_backward, use_orig_params=True)

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.distributed_c10d import _get_default_group
 
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from . import patch_watch
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, full_precision_eval_requested
 from .clip_grad import clip_grad_norm_
 from .construction import (
     HYBRID_STRATEGIES,
@@ -30,7 +31,7 @@ from .construction import (
 from .conversion import converting
 from .flat_param import FlatParameter, ParamRef, iter_unit_modules
 from .handle import FLATTENED, FlatParamHandle
-from .runtime import Runtime, full_precision_eval_requested
+from .runtime import Runtime
 from .same_model import check_same_model, describe_plan, describe_units
 from .state import optim_state as _optim_state
 from .state import optim_state_legacy as _optim_state_legacy
@@ -40,7 +41,7 @@ from .state import state_dict_loading as _state_dict_loading
 from .summon import summon_full_params
 from .unit import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, FSDPUnit, PrefetchLimits, TrainingState, fsdp_modules
 from .unit_plan import plan_unit
-from .unit_torch_names import TorchUnitNames, warn_of_patched_internals
+from .unit_torch_names import TorchUnitNames
 
 _SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *HYBRID_STRATEGIES)
 # What Dynamo says where it meets an FSDP unit (with fullgraph=True, an error).
@@ -251,7 +252,8 @@ class FullyShardedDataParallel(TorchUnitNames, FSDPUnit):
         if self._runtime is not None:
             return self._runtime
         units = FullyShardedDataParallel.fsdp_modules(self)
-        warn_of_patched_internals()
+        patch_watch.warn_of_replaced()
+        patch_watch.warn_of_extensions(units)
         for name in _HOMOGENEOUS_ATTRIBUTES:  # settings the runtime reads once for all units: torch's check
             values = {getattr(unit, name) for unit in units}
             if len(values) != 1:

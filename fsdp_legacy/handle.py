@@ -116,6 +116,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         self._param_dtype_given, self._reduce_dtype_given = param_dtype is not None, reduce_dtype is not None
         self._orig_param_dtype = dtype
         self.keep_low_precision_grads = keep_low_precision_grads
+        self._debug_level = dist.get_debug_level()  # torch's name, read where torch reads it: at construction
         # CPUOffload: the shard, its gradient and so the optimizer step live on the CPU; compute on `device`.
         self.compute_device = device
         self.offload = offload_params

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import FSDPEnum
+from .api import FSDPEnum, full_precision_eval_requested
 from .flat_param import FlatParameter, FlatParamLayout, ParamInfo
+from .orig_param_grads import assign_grad
 
 if TYPE_CHECKING:
     from .handle import HandleTrainingState
@@ -56,7 +57,11 @@ class TorchHandleNames:
     _strategy_reshards_after_forward: bool
     _fully_sharded_module: nn.Module  # the module the handle's FSDP unit wraps (torch's "fully sharded module")
     kept_for_backward: bool
+    is_unsharded: bool
+    orig_params: dict[ParamInfo, nn.Parameter]
     keep_low_precision_grads: bool
+    _grad_before_unshard_grad: tuple[torch.Tensor | None] | None = None  # (unshard_grad: the sharded gradient aside)
+    _orig_param_dtype: torch.dtype
 
     @property
     def skipped_sharded_views_after_forward(self) -> bool:
@@ -73,6 +78,12 @@ class TorchHandleNames:
         raise NotImplementedError  # (FlatParamHandle)
 
     def local_sharded_grad(self) -> torch.Tensor | None:
+        raise NotImplementedError  # (OrigParamGrads)
+
+    def gather_full_grad(self) -> torch.Tensor | None:
+        raise NotImplementedError  # (FlatParamGrads)
+
+    def _use_orig_grad_views(self) -> None:
         raise NotImplementedError  # (OrigParamGrads)
 
     def use_unsharded_views(self) -> None:
@@ -140,6 +151,15 @@ class TorchHandleNames:
     @property
     def _keep_low_precision_grads(self) -> bool:
         return self.keep_low_precision_grads
+
+    @property
+    def _force_full_precision(self) -> bool:
+        """Whether a mixed-precision handle is in full precision now: inside summon_full_params, or in eval mode
+        under FSDP_USE_FULL_PREC_IN_EVAL=1 (copies of torch's post-backward hook then reduce without a cast)."""
+        mixed = self.compute_dtype != self._orig_param_dtype or self.reduce_dtype != self._orig_param_dtype
+        summoned = self.training_state.name == "SUMMON_FULL_PARAMS"
+        in_eval = not self._fully_sharded_module.training and full_precision_eval_requested()
+        return mixed and (summoned or in_eval)
 
     @property
     def _device_handle(self) -> object:
@@ -222,3 +242,48 @@ class TorchHandleNames:
 
     def post_reshard(self) -> None:
         """Nothing: `reshard()` already freed what torch frees here (the low-precision copy of the shard)."""
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # torch's gradient pair for a gathered handle: unshard_grad() ... reshard_grad()
+
+    def unshard_grad(self) -> None:
+        """Show the whole gradient while the flat parameter is unsharded (after `_unshard`, as torch's
+        summon_full_params(with_grads=True) does): `flat_param.grad` unsharded and unpadded, with use_orig_params=True
+        also each original parameter's gradient, as a view of it. None everywhere if no rank has a gradient; a rank
+        without one contributes zeros. An all-reduce and an all-gather (NO_SHARD's gradient is whole already).
+        `reshard_grad()` puts the sharded gradient back, dropping edits of the whole one, as torch's does."""
+        if self._grad_before_unshard_grad is not None:
+            return
+        if self.sharded and not self.is_unsharded:
+            raise AssertionError(
+                f"Expects tensor to be unsharded with size {torch.Size([self.layout.numel])} but got "
+                f"{self.flat_param.size()}: call unshard_grad() after the handle's unshard() "
+                "(`_runtime_utils._unshard`)"
+            )
+        full = self.gather_full_grad()
+        self._grad_before_unshard_grad = (self.flat_param.grad,)
+        whole = None if full is None else full[: self.layout.numel]
+        assign_grad(self.flat_param, whole)
+        for info, shown in self._shown_orig_params():
+            view = None if whole is None else whole[info.offset : info.offset + info.numel].view(info.shape)
+            shown.grad = view if self.orig_params[info].requires_grad else None
+
+    def reshard_grad(self) -> None:
+        """Undo `unshard_grad()`: the sharded gradient as before it."""
+        if self._grad_before_unshard_grad is None:
+            return
+        (grad,), self._grad_before_unshard_grad = self._grad_before_unshard_grad, None
+        assign_grad(self.flat_param, grad)
+        for info, shown in self._shown_orig_params():
+            if shown is not self.orig_params[info]:
+                shown.grad = None  # (a gathered view the module still shows)
+        if self.use_orig_params:
+            self._use_orig_grad_views()
+
+    def _shown_orig_params(self) -> Iterator[tuple[ParamInfo, torch.Tensor]]:
+        """use_orig_params=True: each original parameter as its module registers it now (a gathered view after
+        `_unshard`, or the Parameter itself)."""
+        if not self.use_orig_params:
+            return
+        for module, name, info in self._attributes():
+            yield info, module._parameters.get(name, self.orig_params[info])

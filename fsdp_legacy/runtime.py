@@ -13,7 +13,6 @@ Collectives are asynchronous, and each overlaps the compute of one unit:
   it runs during that unit's backward, and the unsharded gradients alive are one unit's (or one bucket's) at a time.
 """
 
-import os
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
@@ -23,7 +22,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .api import BackwardPrefetch
+from .api import BackwardPrefetch, full_precision_eval_requested
 from .buckets import ReduceBucket, bucket_bytes_from_env, gather_group, unshard_together, upcoming
 from .exec_order import ExecOrderCheck, enabled
 from .flat_param_grads import PendingReduction
@@ -275,9 +274,40 @@ class Runtime:
         handle.prepare_gradient_for_backward()  # (the accumulated gradient stays aside, as before a backward)
         self.post_backward(unit, handle)
 
+    def reshard_by_hand(self, handle: FlatParamHandle) -> None:
+        """torch's `_post_backward_reshard` called by code (Galvatron's own copy of torch's post-backward hook): the
+        parameters are no longer needed; the gradient stays on the flat parameter, where the code reads it, until
+        `reduce_by_hand`."""
+        handle.training_state = HandleTrainingState.BACKWARD_POST
+        if handle.uses_buffer:
+            self._reshard(handle)
+
+    def reduce_by_hand(self, handle: FlatParamHandle) -> None:
+        """torch's `_reduce_grad` / `_reduce_grad_no_shard` called by such code: reduce the unsharded gradient the
+        flat parameter holds now into the sharded one (joined at `end_backward_by_hand`)."""
+        handle.training_state = HandleTrainingState.BACKWARD_POST
+        grad = handle.take_grad_left_by_code()
+        if grad is not None:
+            self._reduce(handle, grad)
+        handle.post_backward_done = True
+
     def end_backward_by_hand(self) -> None:
         """torch's `_post_backward_final_callback` called by such code: complete the reductions, reshard, and go
         back to idle, as at the end of a backward."""
+        unreduced = [
+            unit
+            for unit in self.units
+            if unit._sync_gradients and any(h.unsynced_grad is not None for h in unit._handles)
+        ]
+        if unreduced:
+            raise RuntimeError(
+                f"FSDP's post-backward final callback found {len(unreduced)} unit(s) still holding gradients that "
+                "no_sync() accumulated and nothing reduced. With use_orig_params=True the flat parameter shows no "
+                "unsharded gradient, so code that reduces what `flat_param.grad` holds (a copy of torch's "
+                "post-backward hook calling `_reduce_grad`) finds none: call "
+                "`_runtime_utils._post_backward_hook(state, handle, None)` for each unit instead, or use "
+                "use_orig_params=False."
+            )
         self._end_of_backward()
 
     def _end_of_backward(self) -> None:
@@ -361,12 +391,6 @@ class Runtime:
             event = torch.cuda.Event()
             event.record()
             self.reshard_events.append(event)
-
-
-def full_precision_eval_requested() -> bool:
-    """torch FSDP1's switch FSDP_USE_FULL_PREC_IN_EVAL=1: in eval mode, mixed-precision units compute in full
-    precision. Read at each root forward, as torch reads it."""
-    return os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL") == "1"
 
 
 def _inside_backward() -> bool:

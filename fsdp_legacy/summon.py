@@ -12,7 +12,6 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from . import collectives as comm
 from .handle import FlatParamHandle, HandleTrainingState
 from .unit import FSDPUnit, TrainingState
 
@@ -74,8 +73,8 @@ def _summon_handle(
         handle.sync_grad_from_orig_params()
         # Gathered in full precision into a buffer of its own (not the forward's, which may be low precision); under
         # NO_SHARD the local flat parameter is already whole, so edits to it persist, as torch documents.
-        full = _gather(handle, handle.local_shard)
-        full_grad = _gather_grad(handle) if with_grads else None
+        full = handle.gather_full(handle.local_shard)
+        full_grad = handle.gather_full_grad() if with_grads else None
         if rank0_only and handle.rank != 0 and handle.sharded:
             yield  # this rank keeps its shard; it took part in the collective for rank 0
             return
@@ -135,30 +134,6 @@ def _in_registration_order(unit: FSDPUnit) -> None:
             shown = sorted((n for n in params if prefix + n in rank), key=lambda n: rank[prefix + n])
             for name in shown:  # moved to the end in order; the module's other parameters stay in front
                 params[name] = params.pop(name)
-
-
-def _gather_grad(handle: FlatParamHandle) -> torch.Tensor | None:
-    """The whole flat gradient, or None if no rank has one. With use_orig_params=True a rank holding only frozen
-    parameters has none of its own, so the ranks agree first, and such a rank contributes zeros."""
-    grad = handle.local_sharded_grad()
-    if handle.sharded:
-        anyone = torch.tensor([float(grad is not None)], device=handle.compute_device)
-        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=handle.group)
-        if not anyone.item():
-            return None
-        if grad is None:
-            grad = torch.zeros_like(handle.local_shard, dtype=handle.grad_dtype)
-    return None if grad is None else _gather(handle, grad)
-
-
-def _gather(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
-    """The whole flat tensor of which every rank holds `shard` (the tensor itself under NO_SHARD)."""
-    if not handle.sharded:
-        return shard
-    shard = shard.to(handle.compute_device)  # an offloaded shard travels to the compute device for the collective
-    full = torch.empty(handle.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-    comm.all_gather(full, shard.contiguous(), handle.group).wait()
-    return full
 
 
 def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_grad: torch.Tensor | None) -> None:

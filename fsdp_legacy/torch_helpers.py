@@ -7,19 +7,24 @@ FSDP2, a plain module), a helper answers NOT_OURS and the switch calls torch's o
     _runtime_utils._reshard(state, handle, free)           reshard it again (DINOv2, audiocraft, EMA swaps)
     _runtime_utils._post_backward_hook(state, handle, ...) reduce a unit's gradient by hand (Galvatron, after no_sync)
     _runtime_utils._post_backward_final_callback(state, m) and end that backward: reductions done, units resharded
+    _runtime_utils._post_backward_reshard(state, handle)   the pieces of torch's hook, for code that runs its own copy
+    _runtime_utils._reduce_grad / _reduce_grad_no_shard    of it (Galvatron): reshard, then reduce `flat_param.grad`
+    _runtime_utils._low_precision_hook_enabled(state)      whether the unit's comm hook reduces in fp16 / bf16
     _traversal_utils._get_fsdp_states / _get_fsdp_handles  the units / handles of a model (EMA updates, grad norms)
     _common_utils._get_module_fsdp_state(...)              a module's FSDP state: the unit itself, as torch's wrapper
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
+from torch.distributed.algorithms._comm_hooks import default_hooks
 
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .handle import FlatParamHandle
+from .runtime import Runtime
 from .unit import FSDPUnit, fsdp_modules
 
 
@@ -108,16 +113,21 @@ def _ours(state: Any, handle: Any) -> list[FlatParamHandle] | None:
     return [handle] if isinstance(handle, FlatParamHandle) else None
 
 
-def _post_backward_hook(state: Any, handle: Any, flat_param: Any = None, *unused: Any) -> Any:
-    """Reduce the unit's unsharded gradient (what no_sync() accumulated, or this backward's) into its sharded one,
-    as torch's hook does when code calls it by hand after gathering the unit with `_unshard`."""
+def _by_hand(state: Any, handle: Any, step: Callable[[Runtime, FlatParamHandle], None]) -> Any:
+    """One step of torch's post-backward work, run by code outside a backward, on each of our handles given."""
     handles = _ours(state, handle)
     if handles is None:
         return NOT_OURS
     runtime = state._lazy_init()
     for one in handles:
-        runtime.post_backward_by_hand(state, one)
+        step(runtime, one)
     return None
+
+
+def _post_backward_hook(state: Any, handle: Any, flat_param: Any = None, *unused: Any) -> Any:
+    """Reduce the unit's unsharded gradient (what no_sync() accumulated, or this backward's) into its sharded one,
+    as torch's hook does when code calls it by hand after gathering the unit with `_unshard`."""
+    return _by_hand(state, handle, lambda runtime, one: runtime.post_backward_by_hand(state, one))
 
 
 def _post_backward_final_callback(state: Any, module: nn.Module) -> Any:
@@ -127,3 +137,30 @@ def _post_backward_final_callback(state: Any, module: nn.Module) -> Any:
         return NOT_OURS
     state._lazy_init().end_backward_by_hand()
     return None
+
+
+def _post_backward_reshard(state: Any, handle: Any, *unused: Any) -> Any:
+    """Reshard a unit whose gradient is complete, leaving the unsharded gradient on the flat parameter for the
+    `_reduce_grad` that follows (the order of torch's post-backward hook, which Galvatron copies)."""
+    return _by_hand(state, handle, lambda runtime, one: runtime.reshard_by_hand(one))
+
+
+def _reduce_grad(state: Any, handle: Any) -> Any:
+    """Reduce the unsharded gradient the flat parameter holds (what no_sync() accumulated, as the calling code left it:
+    changed in place, or cast to the reduce dtype) into the unit's sharded gradient; the final callback completes it."""
+    return _by_hand(state, handle, lambda runtime, one: runtime.reduce_by_hand(one))
+
+
+def _reduce_grad_no_shard(state: Any, handle: Any) -> Any:
+    """torch's NO_SHARD twin of `_reduce_grad` (all-reduce); ours tells the two apart by the handle."""
+    return _reduce_grad(state, handle)
+
+
+_LOW_PRECISION_HOOKS = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
+
+
+def _low_precision_hook_enabled(state: Any) -> Any:
+    """Whether the unit's registered communication hook is torch's fp16 or bf16 compression, which casts by itself."""
+    if not isinstance(state, FSDPUnit):
+        return NOT_OURS
+    return state._comm_hook in _LOW_PRECISION_HOOKS

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable_state import _State
 
 from .api import BackwardPrefetch, CPUOffload, FSDPEnum, MixedPrecision, ShardingStrategy, StateDictType
 from .handle import FlatParamHandle
@@ -39,9 +40,13 @@ class PrefetchLimits:
     _backward_prefetch_limit: int = 1
 
 
-class FSDPUnit(nn.Module):
+class FSDPUnit(nn.Module, _State):
     """The type of every FSDP unit; FullyShardedDataParallel is its one subclass. It declares the state the other
-    layers read, set by the wrapper's constructor."""
+    layers read, set by the wrapper's constructor.
+
+    A unit is its own composable state, as torch's wrapper is (`_State`): code that asks torch's
+    `_composable_state._get_module_state(unit)` gets the unit back, not None (LLaMA2-Accessory's parameter groups walk
+    a model that way; compat.py makes `isinstance(unit, _common_utils._FSDPState)` hold too)."""
 
     # Sharding
     process_group: dist.ProcessGroup

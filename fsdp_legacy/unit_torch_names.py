@@ -6,7 +6,6 @@ which. FullyShardedDataParallel mixes this in; it only reads the unit's state (u
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,28 +21,6 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 
-# Methods of torch's FlatParamHandle that its runtime calls and libraries replace on the class (under the switch,
-# ours): ColossalAI's FP8 all-gather replaces `_all_gather_flat_param`. Ours never calls them.
-_PATCHED_HANDLE_METHODS = ("_all_gather_flat_param",)
-_WARNED_PATCHED: set[str] = set()
-
-
-def warn_of_patched_internals() -> None:
-    """Once per process and method: a replaced torch runtime method would silently change nothing on ours."""
-    patched = [name for name in _PATCHED_HANDLE_METHODS if name in vars(FlatParamHandle)]
-    patched = [name for name in patched if name not in _WARNED_PATCHED]
-    if patched:
-        _WARNED_PATCHED.update(patched)
-        warnings.warn(
-            f"FlatParamHandle.{', '.join(patched)} was replaced (ColossalAI's FP8 all-gather, for one), but "
-            "fsdp_legacy gathers parameters with its own collectives and never calls it: parameters are gathered as "
-            "without the replacement (values unchanged, no compression). Turn the library's option off (ColossalAI: "
-            "fp8_communication=False) or use torch's FSDP1 for it.",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
 class TorchUnitNames:
     """Mixed into FullyShardedDataParallel (before FSDPUnit): torch's private names over the unit's own state."""
 
@@ -54,6 +31,8 @@ class TorchUnitNames:
     _inter_node_pg: dist.ProcessGroup | None
     _runtime: Runtime | None
     _is_root: bool | None
+    # torch's hook for custom DTensor flattening: None, as torch's; one set is named in a warning (patch_watch.py)
+    _fsdp_extension: Any = None
 
     @property
     def _device_handle(self) -> Any:

@@ -5,14 +5,12 @@ their first forward, so that they share streams, and trains on; ByteCheckpoint w
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from torch_side_by_side import _FSDP, _fsdp, _full_params, _run, _run_ours
+from torch_side_by_side import _FSDP, _fsdp, _full_params, _run
 
 _STREAMS = ("_unshard_stream", "_post_backward_stream", "_pre_unshard_stream", "_all_reduce_stream", "_default_stream")
 
@@ -83,23 +81,3 @@ def test_handle_names_and_device_handle_as_in_torch() -> None:
     for observed in _run(_names_and_device):
         assert observed["names"] == [("weight", "embed"), ("weight", "proj")]
         assert observed["shared"] == [("weight", "proj")]
-
-
-def _patched_all_gather() -> list[str]:
-    """ColossalAI's FP8 all-gather replaces torch's FlatParamHandle._all_gather_flat_param (under the switch, ours),
-    which our runtime never calls: a warning says so instead of a silent no-op."""
-    handle_class = importlib.import_module("torch.distributed.fsdp._flat_param").FlatParamHandle
-    handle_class._all_gather_flat_param = lambda self, padded: padded
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model = _FSDP(nn.Linear(4, 4))
-            model(torch.ones(2, 4)).sum().backward()
-    finally:
-        del handle_class._all_gather_flat_param
-    return [str(w.message) for w in caught if "_all_gather_flat_param" in str(w.message)]
-
-
-def test_a_patched_all_gather_is_reported() -> None:
-    for said in _run_ours(_patched_all_gather):
-        assert len(said) == 1 and "never calls it" in said[0]
