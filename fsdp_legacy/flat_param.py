@@ -7,7 +7,10 @@ interchangeable with torch's:
   a parameter reached twice (tied weights) stored once;
 * with use_orig_params=True, padding before each parameter so it starts at a 16-byte boundary of the compute dtype,
   and padding after the last one so the total divides by the world size (both filled with 42.0, as torch does);
-* the flat tensor is right-padded with zeros to `world_size * ceil(numel / world_size)` and rank r keeps chunk r.
+* the flat tensor is right-padded with zeros to `world_size * ceil(numel / world_size)` and rank r keeps chunk r;
+* a parameter that is not row-major contiguous but dense (a transpose, a channels_last convolution weight) is held in
+  its memory order and viewed with its strides, as torch holds it (`_contiguities`, `_strides`), so its layout in a
+  local shard is torch's and its views keep their memory format.
 """
 
 import math
@@ -51,10 +54,19 @@ class ParamInfo:
     param_name: str
     shape: torch.Size
     offset: int  # first element in the unsharded flat parameter
+    stride: tuple[int, ...] | None = None  # held in memory order with these strides (None: row-major)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def view_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter as a view of its `numel` elements of a flat tensor."""
+        return view_flat(flat, self.shape, self.stride)
+
+    def flatten(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (a value of the parameter's shape) as its elements lie in the flat parameter."""
+        return flatten_in_order(tensor, self.stride)
 
 
 @dataclass(frozen=True)
@@ -188,8 +200,9 @@ def build_layout(references: Sequence[ParamRef], world_size: int, aligned_numel:
     )
     params: dict[nn.Parameter, ParamInfo] = {}
     for ref, offset in zip(found, offsets, strict=True):
+        tensor = local_tensor(ref.param)
         params[ref.param] = ParamInfo(
-            ref.fqn, ref.module, ref.module_name, ref.param_name, local_tensor(ref.param).shape, offset
+            ref.fqn, ref.module, ref.module_name, ref.param_name, tensor.shape, offset, memory_order_strides(tensor)
         )
     return FlatParamLayout(
         tuple(params.values()),
@@ -212,10 +225,45 @@ def flatten(layout: FlatParamLayout, tensors: dict[ParamInfo, torch.Tensor], dev
         if is_padding:
             target.fill_(PADDING_VALUE)
         else:
-            target.copy_(tensors[info_at[offset]].reshape(-1))
+            info = info_at[offset]
+            target.copy_(info.flatten(tensors[info]))
         offset += numel
     return flat
 
 
 def aligned_numel_for(dtype: torch.dtype) -> int:
     return ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+def memory_order_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides a parameter is held with in memory order: None for a row-major contiguous one (torch's "truly
+    contiguous": also the last stride 1, which a tensor of size-1 dimensions can lack), else its own, when it covers
+    its storage without gaps or overlaps (a transpose, channels_last). A parameter with gaps (a slice of a larger
+    tensor) is held in row-major order, since memory order would take in elements that are not its own."""
+    if tensor.dim() == 0 or (tensor.is_contiguous() and tensor.stride(-1) == 1):
+        return None
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(tensor.stride())
+
+
+def view_flat(flat: torch.Tensor, shape: Sequence[int], stride: Sequence[int] | None) -> torch.Tensor:
+    """A parameter of `shape` as a view of its elements at the start of the flat tensor `flat` (memory order with
+    `stride`, or row-major when None)."""
+    if stride is None:
+        return flat.view(shape)
+    return flat.as_strided(tuple(shape), tuple(stride))
+
+
+def flatten_in_order(tensor: torch.Tensor, stride: Sequence[int] | None) -> torch.Tensor:
+    """The elements of `tensor` (any memory format) in the order a parameter held with `stride` keeps them: 1-D."""
+    if stride is None:
+        return tensor.reshape(-1)
+    if tuple(tensor.stride()) != tuple(stride):  # (equal strides: as dense as the parameter was)
+        strided = torch.empty_strided(tensor.shape, tuple(stride), dtype=tensor.dtype, device=tensor.device)
+        tensor = strided.copy_(tensor)
+    return tensor.as_strided((tensor.numel(),), (1,))

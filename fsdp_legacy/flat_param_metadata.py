@@ -82,13 +82,13 @@ class TorchFlatParamMetadata:
 
     @property
     def _strides(self) -> list[tuple[int, ...]]:
-        """Ours holds every parameter in row-major order (as `param.flatten()`), and views it so: contiguous strides.
-        torch holds a non-contiguous parameter in its memory order and gives its strides (docs/compatibility.md)."""
-        return [_contiguous_strides(info.shape) for info in self.flat_layout.params]
+        """A parameter held in memory order (a transpose, channels_last) has its own strides, as in torch; one held
+        row-major has contiguous strides (also a parameter with gaps, which torch would read past: flat_param.py)."""
+        return [info.stride or _contiguous_strides(info.shape) for info in self.flat_layout.params]
 
     @property
     def _contiguities(self) -> list[bool]:
-        return [True] * len(self.flat_layout.params)
+        return [info.stride is None for info in self.flat_layout.params]
 
     @property
     def _numels(self) -> tuple[int, ...]:

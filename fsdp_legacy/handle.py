@@ -420,7 +420,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         chunks = self.flat_param.split(sizes)
         # (the last chunk, the world-size padding, has no segment: zip leaves it out)
         params = (chunk for chunk, (_, is_padding) in zip(chunks, layout.segments, strict=False) if not is_padding)
-        views = {info: chunk.view(info.shape) for info, chunk in zip(layout.params, params, strict=True)}
+        views = {info: info.view_of(chunk) for info, chunk in zip(layout.params, params, strict=True)}
         for info, param in self.orig_params.items():
             if not param.requires_grad:  # frozen (use_orig_params=True): autograd computes no gradient for it
                 views[info] = views[info].detach()
@@ -435,10 +435,13 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             self.forward_views = views  # (torch's `_tensors`, until the unit reshards)
 
     def _placeholder(self, info: ParamInfo, dtype: torch.dtype) -> torch.Tensor:
-        """A meta tensor of the parameter's shape (a DTensor parameter's global one) standing in outside forward."""
+        """A meta tensor of the parameter's shape (a DTensor parameter's global one) standing in outside forward, with
+        the strides the parameter is viewed with (channels_last code reads them)."""
         record = self.dtensors.get(info)
         if record is not None:
             return torch.empty(record.shape, device="meta", dtype=dtype)
+        if info.stride is not None:
+            return self.typed(torch.empty_strided(info.shape, info.stride, device="meta", dtype=dtype), info)
         return self.typed(torch.empty(info.shape, device="meta", dtype=dtype), info)
 
     def typed(self, tensor: torch.Tensor, info: ParamInfo) -> torch.Tensor:

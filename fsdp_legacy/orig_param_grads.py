@@ -29,7 +29,7 @@ class OrigParamGrads:
 
     def _local_view(self, flat: torch.Tensor, info: ParamInfo) -> torch.Tensor:
         if not self.sharded:
-            return flat[info.offset : info.offset + info.numel].view(info.shape)
+            return info.view_of(flat[info.offset : info.offset + info.numel])
         piece = self._local_pieces.get(info)
         if piece is None:
             return flat[:0]
@@ -107,7 +107,8 @@ class OrigParamGrads:
         if self._compact_grad is None or self._compact_views.keys() != {info for info, _, _ in slots}:
             self._rebuild_compact(slots, shard_grad.dtype, shard_grad.device)
         for info, start, numel in slots:
-            self._compact_views[info].view(-1).add_(shard_grad[start : start + numel])
+            target = self._compact_views[info]  # (ours: a 1-D piece, or under NO_SHARD a view in the flat order)
+            (target if self.sharded else info.flatten(target)).add_(shard_grad[start : start + numel])
 
     def _rebuild_compact(self, slots: list[tuple[ParamInfo, int, int]], dtype: torch.dtype, device: torch.device):
         """A fresh compact buffer for `slots`, starting from the current per-parameter values (zero where none)."""
@@ -115,10 +116,10 @@ class OrigParamGrads:
         views, offset = {}, 0
         for info, _, numel in slots:
             view = buffer[offset : offset + numel]
-            views[info] = view if self.sharded else view.view(info.shape)
+            views[info] = view if self.sharded else info.view_of(view)
             previous = self._compact_views.get(info)
             if previous is not None:
-                view.copy_(previous.reshape(-1))
+                view.copy_(previous.reshape(-1) if self.sharded else info.flatten(previous))
             offset += numel
         self._compact_grad, self._compact_views = buffer, views
 
@@ -133,7 +134,8 @@ class OrigParamGrads:
         flat = torch.zeros_like(self.local_shard, dtype=next(iter(self._compact_views.values())).dtype)
         for info, _, _ in self._trainable_slots():
             if info in self._compact_views:
-                self._local_view(flat, info).view(-1).copy_(self._compact_views[info].reshape(-1))
+                local = self._local_view(flat, info)
+                local.copy_(self._compact_views[info].reshape(local.shape))
         return flat
 
 

@@ -109,6 +109,7 @@ SEAMS: dict[str, tuple[str, ...]] = {
         "test_torch_internal_composable_state.py::*",
         "test_torch_internal_patches.py::*",
         "test_torch_internal_unshard_grad.py::*[[]FULL_SHARD-*]",
+        "test_torch_internal_memory_order.py::test_parameters_in_memory_order_as_torch[[]FULL_SHARD-flat]",
         "test_torch_internal_manual_reduce.py::test_the_codes_own_post_backward_hook_reduces_as_torch[[]bf16_reduce-FULL_SHARD]",
         "test_torch_parity_harness.py::*[[]NestedWrappedModule]",
     ),

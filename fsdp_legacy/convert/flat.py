@@ -126,7 +126,7 @@ class Unflattened(Checkpoint):
     def read(self, path: Path) -> torch.Tensor:
         if path in self._params:
             flat, param = self._params[path]
-            return self._source.read_flat(flat, param.offset, param.offset + param.numel).view(param.shape)
+            return param.unflatten(self._source.read_flat(flat, param.offset, param.offset + param.numel))
         if path in self._layout:
             return self._layout[path]
         return self._source.read(path)
@@ -187,7 +187,7 @@ class Flattened(Checkpoint):
         flat = torch.full((record.numel,), PADDING_VALUE, dtype=record.dtype)
         for param in record.params:
             flat[param.offset : param.offset + param.numel].copy_(
-                self._source.read(("model", record.prefix + param.fqn)).reshape(-1)
+                param.flatten(self._source.read(("model", record.prefix + param.fqn)))
             )
         return flat
 

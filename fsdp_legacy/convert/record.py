@@ -23,7 +23,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from ..flat_param import FlatParamLayout, plan_segments
+from ..flat_param import FlatParamLayout, flatten_in_order, plan_segments, view_flat
 from .errors import CheckpointError
 
 FLAT_PARAM = "_flat_param"  # torch's name, as fully_sharded_data_parallel.FLAT_PARAM (not imported: no model code here)
@@ -34,6 +34,9 @@ LAYOUT_KEYS_ENV = "FSDP_LEGACY_LAYOUT_KEYS"  # "1": LOCAL state dicts also carry
 METADATA_KEY = "fsdp_legacy_layout"  # in a state dict's _metadata entry of a unit: its records as JSON strings
 FORMAT = "fsdp_legacy.flat_param_layout"
 VERSION = 1
+# A record with a parameter held in memory order says version 2, so that readers before it, which know no strides,
+# refuse it rather than read that parameter row-major; the others stay version 1, byte for byte.
+VERSION_WITH_STRIDES = 2
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,19 @@ class ParamRecord:
     fqn: str  # relative to the unit's prefix
     shape: tuple[int, ...]
     offset: int  # first element in the flat parameter
+    stride: tuple[int, ...] | None = None  # held in memory order with these strides (None: row-major; flat_param.py)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def unflatten(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter, row-major, from its `numel` elements as the flat parameter holds them."""
+        return view_flat(flat, self.shape, self.stride).contiguous()
+
+    def flatten(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The parameter's elements in the order the flat parameter holds them: 1-D."""
+        return flatten_in_order(tensor, self.stride)
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,7 @@ class FlatParamRecord:
             dtype=dtype,
             world_size=layout.world_size,
             aligned_numel=layout.aligned_numel,
-            params=tuple(ParamRecord(p.fqn, tuple(p.shape), p.offset) for p in layout.params),
+            params=tuple(ParamRecord(p.fqn, tuple(p.shape), p.offset, p.stride) for p in layout.params),
             shared=tuple(
                 (f"{s.module_name}.{s.param_name}" if s.module_name else s.param_name, s.primary.fqn)
                 for s in layout.shared
@@ -112,7 +124,7 @@ class FlatParamRecord:
     def to_json(self) -> str:
         body = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if all(p.stride is None for p in self.params) else VERSION_WITH_STRIDES,
             "prefix": self.prefix,
             **({"name": self.name} if self.name != FLAT_PARAM else {}),  # (one-dtype units: as before)
             **({"save_id": self.save_id} if self.save_id is not None else {}),
@@ -120,7 +132,11 @@ class FlatParamRecord:
             "world_size": self.world_size,
             "aligned_numel": self.aligned_numel,
             "numel": self.numel,
-            "params": [{"fqn": p.fqn, "shape": list(p.shape), "offset": p.offset} for p in self.params],
+            "params": [
+                {"fqn": p.fqn, "shape": list(p.shape), "offset": p.offset}
+                | ({"stride": list(p.stride)} if p.stride is not None else {})
+                for p in self.params
+            ],
             "shared": [list(pair) for pair in self.shared],
             "segments": [list(s) for s in self.segments],
         }
@@ -160,14 +176,17 @@ class FlatParamRecord:
                 dtype=_dtype(body["dtype"]),
                 world_size=int(body["world_size"]),
                 aligned_numel=int(body["aligned_numel"]),
-                params=tuple(ParamRecord(p["fqn"], tuple(p["shape"]), int(p["offset"])) for p in body["params"]),
+                params=tuple(
+                    ParamRecord(p["fqn"], tuple(p["shape"]), int(p["offset"]), _stride(p.get("stride")))
+                    for p in body["params"]
+                ),
                 shared=tuple((a, b) for a, b in body["shared"]),
                 segments=tuple((int(n), bool(pad)) for n, pad in body["segments"]),
                 numel=int(body["numel"]),
                 name=str(body.get("name", FLAT_PARAM)),
                 save_id=_save_id(body.get("save_id")),
             )
-            ok = body.get("format") == FORMAT and body.get("version") == VERSION
+            ok = body.get("format") == FORMAT and body.get("version") in (VERSION, VERSION_WITH_STRIDES)
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
             raise CheckpointError(
                 f"{where}: the flat-parameter layout record is not readable ({error}); the "
@@ -237,3 +256,7 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return type(value).__name__
+
+
+def _stride(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(step) for step in value)

@@ -142,6 +142,7 @@ def _stream_unit(
     receives each piece of each wanted parameter. The other ranks of rank 0's shard group send the span of their
     shard holding wanted pieces, one rank at a time, into one buffer on rank 0; a rank found dead is skipped."""
     me = dist.get_rank()
+    sink = _row_major(sink)
     if not handle.sharded:
         if me == 0:
             for info, entry in wanted.items():
@@ -185,6 +186,30 @@ def _stream_unit(
             start = piece.offset_in_shard - lo
             sink(wanted[piece.info], piece.start_in_param, shard[start : start + piece.numel_in_shard])
     del buffer
+
+
+def _row_major(sink: Callable) -> Callable:
+    """`sink` for pieces in flat order; a parameter held in memory order (a transpose, channels_last: flat_param.py)
+    arrives in pieces of that order, which are no runs of the file's row-major bytes: it is put together whole first
+    (one parameter's size on rank 0), then handed on row-major."""
+    pending: dict[ParamInfo, tuple[torch.Tensor, int]] = {}
+
+    def ordered(entry: _Entry, first: int, piece: torch.Tensor) -> None:
+        info = entry.info
+        if info is None or info.stride is None:
+            sink(entry, first, piece)
+            return
+        if info not in pending:
+            pending[info] = (torch.empty(info.numel, dtype=piece.dtype, device=piece.device), 0)
+        whole, filled = pending.pop(info)
+        whole[first : first + piece.numel()].copy_(piece)
+        filled += piece.numel()
+        if filled < info.numel:
+            pending[info] = (whole, filled)
+        else:
+            sink(entry, 0, info.view_of(whole).contiguous().view(-1))
+
+    return ordered
 
 
 def _plan(entries: list[_Entry], max_size: int, out: Callable[[_Entry], torch.dtype]) -> list[list[_Entry]]:
@@ -512,8 +537,16 @@ def _read_all(
             continue
         handle, info = handles[entry.unit], entry.info
         if not handle.sharded:
-            source.read_into(key, 0, handle.local_shard[info.offset : info.offset + info.numel])
+            target, first = handle.local_shard[info.offset : info.offset + info.numel], 0
         elif info in pieces[entry.unit]:
             piece = pieces[entry.unit][info]
             target = handle.local_shard[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard]
-            source.read_into(key, piece.start_in_param, target)
+            first = piece.start_in_param
+        else:
+            continue
+        if info.stride is None:
+            source.read_into(key, first, target)
+        else:  # held in memory order: the file's row-major bytes of the whole parameter, reordered
+            whole = torch.empty(info.shape, dtype=target.dtype, device=target.device)
+            source.read_into(key, 0, whole.view(-1))
+            target.copy_(info.flatten(whole)[first : first + target.numel()])

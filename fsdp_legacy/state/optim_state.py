@@ -291,7 +291,7 @@ def _gather_handle(
                 local.copy_(value.reshape(-1))  # the flat parameter's state is this rank's whole shard
                 break
             if not handle.sharded:
-                local[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
+                local[info.offset : info.offset + info.numel].copy_(info.flatten(value))
             elif info in pieces:
                 piece = pieces[info]
                 local[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard].copy_(value.reshape(-1))
@@ -309,7 +309,7 @@ def _gather_handle(
             fqn,
             info,
             {
-                name: gathered[name][info.offset : info.offset + info.numel].view(info.shape)
+                name: info.view_of(gathered[name][info.offset : info.offset + info.numel])
                 if is_tensor
                 else mine.get(name, value)
                 for name, (is_tensor, value) in _in_torch_order(specs[fqn], handle)

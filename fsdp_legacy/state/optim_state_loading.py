@@ -157,7 +157,7 @@ def _flat_local(handle: FlatParamHandle, entry: Entry, fulls: list[dict[str, Any
                 local[name] = torch.zeros(n, dtype=value.dtype, device=handle.local_shard.device)
             start, end = max(lo, info.offset), min(lo + n, info.offset + info.numel)
             if start < end:
-                local[name][start - lo : end - lo].copy_(value.reshape(-1)[start - info.offset : end - info.offset])
+                local[name][start - lo : end - lo].copy_(info.flatten(value)[start - info.offset : end - info.offset])
     for name in [name for name, value in local.items() if is_scalar(value)]:
         _check_one_scalar(name, [values.get(name) for values in fulls], list(entry.fqns))
     return local
@@ -194,7 +194,7 @@ def _piece_local(handle: FlatParamHandle, info: ParamInfo, values: dict[str, Any
     if piece is None:
         return {}
     lo, hi = piece.start_in_param, piece.start_in_param + piece.numel_in_shard
-    return {n: copy_scalar(v) if is_scalar(v) else v.reshape(-1)[lo:hi].clone() for n, v in values.items()}
+    return {n: copy_scalar(v) if is_scalar(v) else info.flatten(v)[lo:hi].clone() for n, v in values.items()}
 
 
 def _param_groups(optim: ParamGroups, entries: list[tuple[int, Entry]], saved: list[dict]) -> list[dict]:

@@ -307,7 +307,7 @@ def _unsharded_values(
             if not keep:
                 values[key] = None
                 continue
-            param = full[info.offset : info.offset + info.numel].view(info.shape)
+            param = info.view_of(full[info.offset : info.offset + info.numel])
             if kind == StateDictType.FULL_STATE_DICT:  # what nn.Module saves: the parameter's detach()
                 values[key] = detached_copy(handle.typed(param, info).detach(), config.offload_to_cpu)
             elif uses_dtensor(unit, config):
@@ -392,13 +392,14 @@ def _sharded_tensor(
 
 def chunk_sharded_tensor(param: torch.Tensor, handle: FlatParamHandle, offload_to_cpu: bool) -> ShardedTensor:
     """torch FSDP1's SHARDED layout: `param.chunk(world_size)` along dim 0, chunk r on rank r; ranks past the
-    number of chunks hold nothing and have no metadata entry."""
+    number of chunks hold nothing and have no metadata entry. A parameter held in memory order (a transpose,
+    channels_last) gives row-major chunks, which ShardedTensor requires (torch's raises its ValueError there)."""
     chunks = param.chunk(handle.world_size)
     geometry, offset = [], 0
     for r, chunk in enumerate(chunks):
         geometry.append((r, [offset] + [0] * (param.dim() - 1), list(chunk.shape)))
         offset += chunk.shape[0]
-    local = detached_copy(chunks[handle.rank], offload_to_cpu) if handle.rank < len(chunks) else None
+    local = detached_copy(chunks[handle.rank], offload_to_cpu).contiguous() if handle.rank < len(chunks) else None
     return _sharded_tensor(handle, param.shape, param.dtype, local, geometry)
 
 

@@ -182,7 +182,7 @@ def _load_by_name(
         ):
             continue
         full = gather_full_tensor(values[key], handle.group)  # every rank joins, whatever it owns
-        full = (record.local_piece(full) if record else full).reshape(-1)
+        full = info.flatten(record.local_piece(full) if record else full)
         if not handle.sharded:
             handle.local_shard[info.offset : info.offset + info.numel].copy_(full)
         elif info in pieces:
