@@ -46,6 +46,7 @@ class _Installed:
     """What install() changed, to undo it: (namespace, name, previous value or _MISSING)."""
 
     replaced: list[tuple[Any, str, Any]] = field(default_factory=list)
+    loaded: set[str] = field(default_factory=set)  # the modules loaded when install() swept them
     stand_ins: list[str] = field(default_factory=list)  # modules install() created where torch has none
     originals: dict[str, Any] = field(default_factory=dict)  # torch's functions our wrappers fall back to
 
@@ -88,11 +89,16 @@ def uninstall() -> None:
     if _state is None:
         return
     patch_watch.forget()
+    back: dict[int, Any] = {}  # id(ours) -> torch's object it stood for
+    for namespace, name, previous in _state.replaced:
+        if previous is not _MISSING and callable(previous):
+            back.setdefault(id(getattr(namespace, name, None)), previous)
     for namespace, name, previous in reversed(_state.replaced):
         if previous is _MISSING:
             _delattr(namespace, name)
         else:
             setattr(namespace, name, previous)
+    _unsweep_torch_modules_loaded_since(_state, back)
     for module_name in reversed(_state.stand_ins):
         sys.modules.pop(module_name, None)
         parent, _, child = module_name.rpartition(".")
@@ -203,6 +209,7 @@ def _import_or_stand_in(module_name: str, state: _Installed) -> types.ModuleType
 def _sweep(swaps: dict[int, Any], state: _Installed, skip: set[str]) -> None:
     """Swap torch's FSDP1 objects for ours in the globals of every module loaded now, except fsdp_legacy's, the
     targets (done), and torch's FSDP1 internals (which only torch's own FSDP1 uses)."""
+    state.loaded = set(sys.modules)
     for module_name, module in list(sys.modules.items()):
         if (
             module is None
@@ -219,6 +226,22 @@ def _sweep(swaps: dict[int, Any], state: _Installed, skip: set[str]) -> None:
             if ours is not None:
                 state.replaced.append((module, name, value))
                 namespace[name] = ours
+
+
+def _unsweep_torch_modules_loaded_since(state: _Installed, back: dict[int, Any]) -> None:
+    """torch's own modules first imported while the switch was on (torch's DSD helpers, say) bound our names as they
+    found them under torch's: give them torch's objects back, as the sweep's record does for the modules it saw.
+    Only torch's modules: another module imported meanwhile may name fsdp_legacy's objects on purpose."""
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name in state.loaded or module_name.split(".")[0] != "torch":
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            previous = back.get(id(value))
+            if previous is not None:
+                namespace[name] = previous
 
 
 def _delattr(namespace: Any, name: str) -> None:

@@ -74,6 +74,29 @@ def test_install_puts_our_names_under_torch_and_uninstall_restores_them() -> Non
     assert torch_dsd.FSDP is before["torch.distributed.fsdp"]["FullyShardedDataParallel"]
 
 
+def test_uninstall_restores_torch_modules_first_imported_while_on() -> None:
+    """A torch module first imported under the switch (torch's DSD helpers, imported by a library's first save) bound
+    our names: uninstall gives it torch's back, as it does for the modules loaded at install. Another module keeps
+    what it bound, since it may name fsdp_legacy's objects on purpose."""
+    torch_fsdp = importlib.import_module("torch.distributed.fsdp")
+    common_utils = importlib.import_module("torch.distributed.fsdp._common_utils")
+    theirs, their_state = torch_fsdp.FullyShardedDataParallel, common_utils._FSDPState
+    names = ("torch._fsdp_legacy_probe", "fsdp_legacy_user_probe")
+    try:
+        with switched_on():
+            for name in names:
+                module = types.ModuleType(name)
+                module.FSDP = torch_fsdp.FullyShardedDataParallel
+                module.FSDPState = common_utils._FSDPState
+                sys.modules[name] = module
+        assert sys.modules[names[0]].FSDP is theirs
+        assert sys.modules[names[0]].FSDPState is their_state
+        assert sys.modules[names[1]].FSDP is fsdp_legacy.FullyShardedDataParallel
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
 def test_modules_that_imported_torch_names_before_the_switch_get_ours() -> None:
     import torch.distributed.fsdp as torch_fsdp
 
