@@ -210,38 +210,35 @@ def _sweep(swaps: dict[int, Any], state: _Installed, skip: set[str]) -> None:
     """Swap torch's FSDP1 objects for ours in the globals of every module loaded now, except fsdp_legacy's, the
     targets (done), and torch's FSDP1 internals (which only torch's own FSDP1 uses)."""
     state.loaded = set(sys.modules)
-    for module_name, module in list(sys.modules.items()):
-        if (
-            module is None
-            or module_name in skip
-            or module_name.split(".")[0] == __name__.split(".")[0]
-            or (module_name.startswith(f"{_FSDP1}.") and module_name.rpartition(".")[2].startswith("_"))
-        ):
-            continue
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for name, value in list(namespace.items()):
-            ours = swaps.get(id(value))
-            if ours is not None:
-                state.replaced.append((module, name, value))
-                namespace[name] = ours
+
+    def swept(module_name: str) -> bool:
+        internal = module_name.startswith(f"{_FSDP1}.") and module_name.rpartition(".")[2].startswith("_")
+        return not (module_name in skip or module_name.split(".")[0] == __name__.split(".")[0] or internal)
+
+    state.replaced.extend(_swap_globals(swept, swaps))
 
 
 def _unsweep_torch_modules_loaded_since(state: _Installed, back: dict[int, Any]) -> None:
     """torch's own modules first imported while the switch was on (torch's DSD helpers, say) bound our names as they
     found them under torch's: give them torch's objects back, as the sweep's record does for the modules it saw.
     Only torch's modules: another module imported meanwhile may name fsdp_legacy's objects on purpose."""
+    _swap_globals(lambda name: name not in state.loaded and name.split(".")[0] == "torch", back)
+
+
+def _swap_globals(select: Callable[[str], bool], mapping: dict[int, Any]) -> list[tuple[Any, str, Any]]:
+    """In the globals of every loaded module `select` accepts, replace each object that `mapping` has (by identity)
+    with its value there; returns (module, name, previous value) of each replacement."""
+    swapped = []
     for module_name, module in list(sys.modules.items()):
-        if module is None or module_name in state.loaded or module_name.split(".")[0] != "torch":
-            continue
         namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
+        if module is None or not isinstance(namespace, dict) or not select(module_name):
             continue
         for name, value in list(namespace.items()):
-            previous = back.get(id(value))
-            if previous is not None:
-                namespace[name] = previous
+            new = mapping.get(id(value))
+            if new is not None:
+                swapped.append((module, name, value))
+                namespace[name] = new
+    return swapped
 
 
 def _delattr(namespace: Any, name: str) -> None:

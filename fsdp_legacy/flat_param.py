@@ -61,8 +61,12 @@ class ParamInfo:
         return math.prod(self.shape)
 
     def view_of(self, flat: torch.Tensor) -> torch.Tensor:
-        """The parameter as a view of its `numel` elements of a flat tensor."""
+        """The parameter as a view of its `numel` elements at the start of `flat`."""
         return view_flat(flat, self.shape, self.stride)
+
+    def view_in(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter as a view of its elements in a whole (unsharded) flat tensor, from its offset."""
+        return self.view_of(flat[self.offset : self.offset + self.numel])
 
     def flatten(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (a value of the parameter's shape) as its elements lie in the flat parameter."""

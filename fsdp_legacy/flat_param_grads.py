@@ -158,7 +158,7 @@ class FlatParamGrads:
             return
         for info, param in self.orig_params.items():
             if param.requires_grad:
-                assign_grad(param, info.view_of(flat[info.offset : info.offset + info.numel]))
+                assign_grad(param, info.view_in(flat))
         self._orig_grad_views = {}
 
     def reduce_grad(self, grad: torch.Tensor | None) -> PendingReduction | None:

@@ -265,7 +265,7 @@ class TorchHandleNames:
         whole = None if full is None else full[: self.layout.numel]
         assign_grad(self.flat_param, whole)
         for info, shown in self._shown_orig_params():
-            view = None if whole is None else info.view_of(whole[info.offset : info.offset + info.numel])
+            view = None if whole is None else info.view_in(whole)
             shown.grad = view if self.orig_params[info].requires_grad else None
 
     def reshard_grad(self) -> None:

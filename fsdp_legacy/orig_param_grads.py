@@ -29,7 +29,7 @@ class OrigParamGrads:
 
     def _local_view(self, flat: torch.Tensor, info: ParamInfo) -> torch.Tensor:
         if not self.sharded:
-            return info.view_of(flat[info.offset : info.offset + info.numel])
+            return info.view_in(flat)
         piece = self._local_pieces.get(info)
         if piece is None:
             return flat[:0]

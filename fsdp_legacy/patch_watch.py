@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # torch's FSDP1 files whose functions libraries replace (FSDP2's `_fully_shard` is not among them).
 WATCHED_MODULES = (
@@ -36,17 +36,16 @@ class _Snapshot:
     functions: dict[tuple[str, str], object]  # (module, name) -> the function there at install
     handle_class: type  # ours, as the switch put it under torch's `_flat_param.FlatParamHandle`
     handle_names: frozenset[str]  # torch's FlatParamHandle methods ours does not define
-    warned: set[str] = field(default_factory=set)
 
 
 _snapshot: _Snapshot | None = None
-_WARNED: set[str] = set()  # what warn_of_extensions said in this process (since the switch's last install)
+_warned: set[str] = set()  # the names warned of since the switch's last install (once each)
 
 
 def take(package: str, handle_class: type, torch_handle_class: type | None) -> None:
     """Remember the functions of torch's FSDP1 files in `package` as they are now (the switch just installed)."""
     global _snapshot
-    _WARNED.clear()
+    _warned.clear()
     functions: dict[tuple[str, str], object] = {}
     for short in WATCHED_MODULES:
         module = sys.modules.get(f"{package}.{short}")
@@ -83,9 +82,9 @@ def replaced() -> list[str]:
 def warn_of_extensions(units: list) -> None:
     """`_fsdp_extension` set on a unit (torch's FSDP1 calls its flatten and state-dict transforms): ours flattens
     DTensor parameters itself and never calls them. Once per process."""
-    if not any(getattr(unit, "_fsdp_extension", None) is not None for unit in units) or "_fsdp_extension" in _WARNED:
+    if not any(getattr(unit, "_fsdp_extension", None) is not None for unit in units) or "_fsdp_extension" in _warned:
         return
-    _WARNED.add("_fsdp_extension")
+    _warned.add("_fsdp_extension")
     warnings.warn(
         "An FSDP unit has an `_fsdp_extension` set (torch's FSDP1 calls its flatten and state-dict transforms), but "
         "fsdp_legacy flattens and shards DTensor parameters itself and never calls an extension's transforms: "
@@ -99,10 +98,10 @@ def warn_of_replaced() -> None:
     """One warning per process naming the torch internals replaced since the switch was installed (not named yet)."""
     if _snapshot is None:
         return
-    new = [name for name in replaced() if name not in _snapshot.warned]
+    new = [name for name in replaced() if name not in _warned]
     if not new:
         return
-    _snapshot.warned.update(new)
+    _warned.update(new)
     warnings.warn(
         f"torch's FSDP1 {', '.join(new)} {'was' if len(new) == 1 else 'were'} replaced (ColossalAI's FP8 all-gather, "
         "Galvatron's post-backward hooks and ByteCheckpoint's state-dict hooks do this), but fsdp_legacy runs its own "

@@ -137,13 +137,13 @@ def _in_registration_order(unit: FSDPUnit) -> None:
 
 
 def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_grad: torch.Tensor | None) -> None:
-    views = {info: info.view_of(full[info.offset : info.offset + info.numel]) for info in handle.layout.params}
+    views = {info: info.view_in(full) for info in handle.layout.params}
     if handle.use_orig_params:
         handle._register_orig_params()
         for info, param in handle.orig_params.items():
             param.data = views[info]
             if full_grad is not None and param.requires_grad:
-                param.grad = info.view_of(full_grad[info.offset : info.offset + info.numel])
+                param.grad = info.view_in(full_grad)
         for module, name, info in handle._attributes():  # DTensor parameters are shown as DTensors, as in torch
             if info in handle.dtensors:
                 param = handle.orig_params[info]
@@ -158,7 +158,7 @@ def _expose(unit: FSDPUnit, handle: FlatParamHandle, full: torch.Tensor, full_gr
     for info, view in views.items():
         param = handle.as_parameter(view, info, requires_grad)
         if full_grad is not None:
-            param.grad = handle.typed_grad(info.view_of(full_grad[info.offset : info.offset + info.numel]), info)
+            param.grad = handle.typed_grad(info.view_in(full_grad), info)
         params[info] = param
     for module, name, info in handle._attributes():
         module.__dict__.pop(name, None)

@@ -76,7 +76,7 @@ def _model_state(captured: CapturedState, group: dist.ProcessGroup) -> dict[str,
         comm.all_gather(full, copy.local_shard, group).wait()
         for entry in entries:
             if entry.unit == index and entry.info is not None:
-                param = entry.info.view_of(full[entry.info.offset : entry.info.offset + entry.info.numel])
+                param = entry.info.view_in(full)
                 value = chunk_sharded_tensor(param, handle, offload_to_cpu=False)
                 state.update((key, value) for key in (entry.key, *entry.aliases))
     for entry in entries:

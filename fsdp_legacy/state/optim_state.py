@@ -309,9 +309,7 @@ def _gather_handle(
             fqn,
             info,
             {
-                name: info.view_of(gathered[name][info.offset : info.offset + info.numel])
-                if is_tensor
-                else mine.get(name, value)
+                name: info.view_in(gathered[name]) if is_tensor else mine.get(name, value)
                 for name, (is_tensor, value) in _in_torch_order(specs[fqn], handle)
             },
         )

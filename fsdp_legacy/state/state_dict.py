@@ -307,7 +307,7 @@ def _unsharded_values(
             if not keep:
                 values[key] = None
                 continue
-            param = info.view_of(full[info.offset : info.offset + info.numel])
+            param = info.view_in(full)
             if kind == StateDictType.FULL_STATE_DICT:  # what nn.Module saves: the parameter's detach()
                 values[key] = detached_copy(handle.typed(param, info).detach(), config.offload_to_cpu)
             elif uses_dtensor(unit, config):
