@@ -93,7 +93,9 @@ def _worker(rank: int, ws: int, port: int, conn: Connection, stack_file: str) ->
             for part in qualname.split("."):
                 fn = getattr(fn, part)
             torch.manual_seed(0)  # every job starts from the same RNG state
+            groups_before = _live_groups()
             out = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), fn(*args, **kwargs))
+            _destroy_groups_made_since(groups_before)
             reply = pickle.dumps(("ok", out, dist.is_initialized()))
         except BaseException:  # SystemExit too: report it instead of dying silently
             reply = pickle.dumps(("err", traceback.format_exc(), dist.is_initialized()))
@@ -108,6 +110,36 @@ def _worker(rank: int, ws: int, port: int, conn: Connection, stack_file: str) ->
             break  # the job destroyed the default group; the parent respawns us
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _live_groups() -> set[Any]:
+    """The process groups this rank holds now (torch's registry: no public API lists them)."""
+    return set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+
+
+def _destroy_groups_made_since(before: set[Any]) -> None:
+    """Destroy the subgroups a job made (meshes, HSDP's groups, side groups) once it succeeded. A gloo group keeps a
+    transport thread that wakes about a hundred times a second; left alive, a pool's ranks gathered hundreds of them
+    over a session and spent most of both cores waking them, idle pools included. Every rank ran the same job, so
+    every rank destroys the same groups. A failed job's pool is discarded whole instead."""
+    made = _live_groups() - before
+    for group in made:
+        dist.destroy_process_group(group)
+    if made:
+        _forget_dtensor_caches()
+
+
+def _forget_dtensor_caches() -> None:
+    """DTensor's caches key on meshes, and meshes compare equal by shape and names, not by their groups: a later
+    job's equal mesh would get cached specs that hold the destroyed groups' mesh. Cleared with them (a thread's own
+    Python sharding cache: this thread's, where the jobs run)."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
+
+    debug._clear_sharding_prop_cache()  # torch's own: the Python cache and the C++ fast path's
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def _free_port() -> int:

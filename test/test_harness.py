@@ -52,6 +52,22 @@ def _raise_on_rank1_while_rank0_waits() -> None:
     dist.barrier()
 
 
+def _groups_and_a_mesh_op() -> dict[str, Any]:
+    """Makes a subgroup and a 2-D mesh, and runs a DTensor op on it: what a parallelism test leaves behind."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    live_at_start = len(dist.distributed_c10d._world.pg_map)
+    dist.new_group([0, 1], backend="gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    total = (distribute_tensor(torch.ones(4, 4), mesh["tp"], [Shard(0)]) * 2).sum()
+    return {
+        "live_at_start": live_at_start,
+        "result_on_this_jobs_mesh": total.device_mesh.get_group().group_name == mesh["tp"].get_group().group_name,
+        "total": total.full_tensor(),
+    }
+
+
 def _destroy_group() -> str:
     dist.destroy_process_group()
     return "destroyed"
@@ -101,6 +117,16 @@ def test_failure_while_other_rank_blocks_reports_both() -> None:
     assert info.value.errors.keys() == {1} and info.value.silent == [0]
     assert "RuntimeError: rank 1 gives up" in str(info.value)
     assert run_on_ranks(_pid, 2)  # the pool works again
+
+
+def test_a_jobs_subgroups_end_with_it() -> None:
+    """The groups a job makes are destroyed after it: left alive, each gloo group's thread kept waking, and a pool
+    gathered hundreds. DTensor's caches, which match a later job's equal mesh to the destroyed one's, go with them."""
+    first, second = run_on_ranks(_groups_and_a_mesh_op, 4), run_on_ranks(_groups_and_a_mesh_op, 4)
+    for job in (first, second):
+        for rank in job:
+            assert rank["live_at_start"] == first[0]["live_at_start"]  # nothing left from the job before
+            assert rank["result_on_this_jobs_mesh"] and rank["total"].item() == 32.0
 
 
 def test_destroyed_group_gets_respawned() -> None:

@@ -111,7 +111,7 @@ def side_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGr
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     default = dist.distributed_c10d._get_default_group()
     cached = _side_groups.get(ranks)
-    if cached is None or cached[0] is not default:
+    if cached is None or cached[0] is not default or not _still_registered(cached[1]):
         # Every rank of the job makes it when the save is over all of them; a subgroup's ranks alone, otherwise.
         local = len(ranks) < dist.get_world_size()
         group = made_at_background_priority(
@@ -121,6 +121,15 @@ def side_group(process_group: dist.ProcessGroup | None = None) -> dist.ProcessGr
         _side_groups[ranks] = (default, group)
         return group
     return cached[1]
+
+
+def _still_registered(group: dist.ProcessGroup) -> bool:
+    """False once the program destroyed the group: torch forgets its ranks then."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def made_at_background_priority(make: Callable[[], Any]) -> Any:

@@ -317,6 +317,21 @@ def _side_group_threads() -> dict[str, list[int]]:
     return {"started": sorted(started.values()), "training": [os.getpriority(os.PRIO_PROCESS, 0)]}
 
 
+def _side_group_after_it_was_destroyed() -> bool:
+    group = async_save.side_group()
+    assert async_save.side_group() is group  # made once
+    dist.destroy_process_group(group)
+    again = async_save.side_group()
+    dist.barrier(group=again)  # a live group: a collective over it completes
+    return again is not group
+
+
+def test_a_destroyed_side_group_is_made_anew() -> None:
+    """A program (or a harness between jobs) that destroys its subgroups gets a new side group at the next background
+    save, not the destroyed one."""
+    assert run_on_ranks(_side_group_after_it_was_destroyed, 2) == [True, True]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values are Linux's")
 def test_the_save_groups_threads_run_below_training() -> None:
     """gloo starts its worker and transport threads when a group is made: made for the background saves, they take
