@@ -219,18 +219,29 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
     def _allocate_unsharded(self, reuse: torch.Tensor | None = None) -> None:
         """The unsharded buffer (storage freed until an unshard), or the local shard itself when none is needed.
         `reuse`: a full-size tensor of the local shard's dtype on the compute device that may serve as the buffer."""
-        numel, device = self.layout.padded_numel, self.compute_device
-        if self.mixed or self.offload:
-            self.full_padded = freed_tensor(numel, self.compute_dtype, device)
-            self._unsharded_buffers = {self.compute_dtype: self.full_padded}  # by dtype: see select_precision
-        elif self.sharded:
-            if reuse is not None and reuse.dtype == self.local_shard.dtype and reuse.device == device:
-                self.full_padded = reuse
-                free_storage(self.full_padded)
-            else:
-                self.full_padded = freed_tensor(numel, self.local_shard.dtype, device)
-        else:
+        if not self.uses_buffer:
             self.full_padded = self.local_shard
+            return
+        dtype = self.compute_dtype if self.mixed or self.offload else self.local_shard.dtype
+        buffer = self._freed_in(reuse, dtype)
+        self.full_padded = (
+            buffer if buffer is not None else freed_tensor(self.layout.padded_numel, dtype, self.compute_device)
+        )
+        if self.mixed or self.offload:
+            self._unsharded_buffers = {dtype: self.full_padded}  # by dtype: see select_precision
+
+    def _freed_in(self, full: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The unsharded buffer made of construction's full flat tensor, freed: allocating a new one (then freeing it)
+        while that tensor and the original parameters are still alive added the buffer's size to construction's
+        peak, and on CUDA left it in the allocator's cache. Only when sharded (the shard is then a copy, not a view
+        of it) and the buffer fits in its storage on the compute device."""
+        if full is None or not self.sharded or full.device != self.compute_device:
+            return None
+        if dtype.itemsize > full.dtype.itemsize or full.dtype.itemsize % dtype.itemsize:
+            return None
+        buffer = full if dtype == full.dtype else full.view(dtype)[: self.layout.padded_numel]
+        free_storage(buffer)
+        return buffer
 
     @torch.no_grad()
     def adopt_replaced_flat_param(self, keep_device: bool = False) -> None:

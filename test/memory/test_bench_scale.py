@@ -59,3 +59,10 @@ def test_bad_input_is_refused() -> None:
         text=True,
     )
     assert bad.returncode == 2 and "has 1 to 8 decoder layers" in bad.stderr
+    offload = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, "bench_scale.py"), "--preset", "llama-tiny", "--cpu-offload"],
+        capture_output=True,
+        text=True,
+    )
+    # torch's FSDP1 cannot offload on the CPU (FSDP1_FACTS): said before anything runs, with the way out.
+    assert offload.returncode == 2 and "leave torch_fsdp1 out of --impls" in offload.stderr

@@ -246,6 +246,32 @@ def test_kept_original_parameters_break_formula(name: str) -> None:
             assert peaks[phase] > bound[phase], f"rank {rank} {phase.value}: the leak went unnoticed"
 
 
+def _construction_peak(name: str) -> tuple[int, int]:
+    """(the model's parameter bytes, the peak while FSDP wraps it), both beyond what was live before."""
+    kwargs, _ = CONFIGS[name]
+    with MemoryTracker() as tracker:
+        baseline = tracker.current().total
+        torch.manual_seed(0)
+        plain = GPT(CFG)
+        params = sum(p.numel() * p.element_size() for p in plain.parameters())
+        tracker.reset_peak()
+        model = FSDP(plain, auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs)
+        peak = tracker.peak()
+        del model, plain
+    return params, peak - baseline
+
+
+@pytest.mark.parametrize("name", ["full_shard", "shard_grad_op", "bf16"])
+def test_construction_holds_one_unit_twice_at_most(name: str) -> None:
+    """Wrapping a unit holds the model, that unit's full flat copy (fp32, padded) and its shard, and no more: the
+    first block is that moment's worst (each unit's originals are released once flattened). The unsharded buffer in
+    the compute dtype was allocated there while the full copy was still alive (the bf16 case broke this by half a
+    unit): it is now made of the full copy's storage."""
+    s = Sizes.of(WORLD, 4)
+    for params, peak in run_on_ranks(_construction_peak, WORLD, name):
+        assert peak <= params + s.block + s.block_shard, f"{mib(peak)} > {mib(params + s.block + s.block_shard)}"
+
+
 def _baseline_after_del(name: str) -> tuple[int, int, int]:
     kwargs, no_sync_steps = CONFIGS[name]
     with MemoryTracker() as tracker:
