@@ -4,7 +4,8 @@ Spawning a process and importing torch costs seconds, so one pool per world size
 created lazily and kept for the whole pytest session.  ``run_on_ranks(fn, ws, ...)``
 runs ``fn(*args, **kwargs)`` on every rank and returns the results indexed by rank.
 After any failure or timeout the pool is killed (surviving ranks may be blocked in a
-collective forever) and the next call for that world size spawns a fresh one.
+collective forever) and the next call for that world size spawns a fresh one. The process
+groups a successful job made are destroyed after it (see _destroy_groups_made_since).
 """
 
 from __future__ import annotations

@@ -75,11 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         PRESETS[args.preset].with_layers(args.layers)
     except ValueError as error:
         p.error(str(error))
-    if args.cpu_offload and args.device == "cpu" and "torch_fsdp1" in args.impls:
+    torch_offloaders = [impl for impl in args.impls if impl in ("torch_fsdp1", "fsdp2")]
+    if args.cpu_offload and args.device == "cpu" and torch_offloaders:
         p.error(
-            "--cpu-offload on --device cpu: torch's FSDP1 cannot offload parameters when it computes on the CPU (its "
-            "forward raises 'Cannot access accelerator device when none is available'); leave torch_fsdp1 out of "
-            "--impls (e.g. --impls ours,fsdp2) or use --device cuda"
+            f"--cpu-offload on --device cpu: {' and '.join(torch_offloaders)} cannot offload parameters when computing "
+            "on the CPU (torch raises 'Cannot access accelerator device when none is available'); use --impls ours "
+            "or --device cuda"
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")

@@ -64,5 +64,6 @@ def test_bad_input_is_refused() -> None:
         capture_output=True,
         text=True,
     )
-    # torch's FSDP1 cannot offload on the CPU (FSDP1_FACTS): said before anything runs, with the way out.
-    assert offload.returncode == 2 and "leave torch_fsdp1 out of --impls" in offload.stderr
+    # torch's FSDP1 and FSDP2 cannot offload on the CPU (FSDP1_FACTS): said before anything runs, with the way out.
+    assert offload.returncode == 2 and "torch_fsdp1 and fsdp2 cannot offload" in offload.stderr
+    assert "use --impls ours or --device cuda" in offload.stderr
