@@ -217,12 +217,12 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         self.is_unsharded = not self.uses_buffer
 
     def _allocate_unsharded(self, reuse: torch.Tensor | None = None) -> None:
-        """The unsharded buffer (storage freed until an unshard), or the local shard itself when none is needed.
-        `reuse`: a full-size tensor of the local shard's dtype on the compute device that may serve as the buffer."""
+        """The unsharded buffer in the compute dtype (storage freed until an unshard), or the local shard itself when
+        none is needed. `reuse`: construction's full flat tensor, whose storage may serve as the buffer."""
         if not self.uses_buffer:
             self.full_padded = self.local_shard
             return
-        dtype = self.compute_dtype if self.mixed or self.offload else self.local_shard.dtype
+        dtype = self.compute_dtype  # (the local shard's own unless mixed)
         buffer = self._freed_in(reuse, dtype)
         self.full_padded = (
             buffer if buffer is not None else freed_tensor(self.layout.padded_numel, dtype, self.compute_device)
@@ -237,7 +237,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         of it) and the buffer fits in its storage on the compute device."""
         if full is None or not self.sharded or full.device != self.compute_device:
             return None
-        if dtype.itemsize > full.dtype.itemsize or full.dtype.itemsize % dtype.itemsize:
+        if full.dtype.itemsize % dtype.itemsize:  # (a wider dtype never divides it)
             return None
         buffer = full if dtype == full.dtype else full.view(dtype)[: self.layout.padded_numel]
         free_storage(buffer)
