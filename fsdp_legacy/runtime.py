@@ -166,6 +166,9 @@ class Runtime:
             for handle in unit._handles:
                 handle.select_precision(self.full_precision_eval)
                 handle.follow_orig_requires_grad()
+                # use_orig_params: after zero_grad(set_to_none=True) the sharded gradients are freed now, not when
+                # backward reaches each unit (they would live through forward, at the step's peak).
+                handle.sync_grad_from_orig_params()
         if self.compute_device.type != "cpu":
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self.compute_device, non_blocking=True), (args, kwargs)
