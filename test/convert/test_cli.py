@@ -1,5 +1,6 @@
-"""The `fsdp-legacy` command (fsdp_legacy.cli), run as users run it: `python -m fsdp_legacy ...` in a subprocess, on
-checkpoints saved here by 2 gloo ranks.
+"""The `fsdp-legacy` command (fsdp_legacy.cli), run as users run it (`python -m fsdp_legacy ...`: in this process,
+through cli_runner.py, and in a new interpreter where the process is under test), on checkpoints saved here by 2 gloo
+ranks.
 
 Oracles: the FULL model and optimizer state dicts of the model that saved the checkpoint (a converted checkpoint
 equals them bit for bit; `inspect` lists exactly their names, shapes and dtypes), the estimator called directly on
@@ -26,6 +27,7 @@ from test_optim_state import adam, model_sd, osd, train
 
 import fsdp_legacy
 import repo_paths
+from cli_runner import run_cli
 from fsdp_legacy.cli import main
 from fsdp_legacy.convert import convert_checkpoint
 from fsdp_legacy.state import dcp_checkpoint
@@ -57,10 +59,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return directory, expected
 
 
-def command(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def real_command(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m fsdp_legacy ARGS` in a new interpreter, as a user runs it."""
     return subprocess.run(
         [sys.executable, "-m", "fsdp_legacy", *args], capture_output=True, text=True, cwd=cwd, check=False
     )
+
+
+command = run_cli  # the same command in this process (cli_runner.py): no interpreter and torch import per call
 
 
 def inspected(path: Path, capsys: pytest.CaptureFixture | None = None) -> dict:
@@ -217,7 +223,7 @@ def test_bad_paths_and_formats(saved: tuple[Path, dict], tmp_path: Path, capsys:
     something that is not a checkpoint and an existing destination; argparse's own errors are 2 as well."""
     directory, _ = saved
     missing = tmp_path / "nothing"
-    done = command("inspect", str(missing))
+    done = real_command("inspect", str(missing))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr == (
         f"python -m fsdp_legacy inspect: error: checkpoint {missing} does not exist: pass the path of a checkpoint "

@@ -8,7 +8,6 @@ checkpoint at another world size.
 
 import os
 import subprocess
-import sys
 import weakref
 import zipfile
 from typing import Any
@@ -22,7 +21,7 @@ from test_optim_state import adam, load_into_fsdp2, load_model, model_sd, osd, t
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 import fsdp_legacy
-import repo_paths
+from cli_runner import run_cli
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint, open_checkpoint
 from fsdp_legacy.convert.checkpoint import Checkpoint, Path
 from fsdp_legacy.convert.dcp_files import write_dcp
@@ -31,7 +30,6 @@ from fsdp_legacy.state import dcp_checkpoint
 from fsdp_utils import MODELS, Config, build_ours, build_torch_fsdp
 from harness import run_on_ranks
 
-REPO = str(repo_paths.REPO)
 FULL, LOCAL = "FULL_STATE_DICT", "LOCAL_STATE_DICT"
 
 
@@ -284,18 +282,7 @@ def test_our_per_rank_local_files(tmp_path, config: Config) -> None:
     convert_checkpoint(str(ranks), str(tmp_path / "full.pt"), to="full")
     assert_same(torch.load(tmp_path / "full.pt", weights_only=True)["model"], expected, "per-rank files -> full")
 
-    command = [
-        sys.executable,
-        "-m",
-        "fsdp_legacy",
-        "convert",
-        str(ranks),
-        str(tmp_path / "dcp"),
-        "--to",
-        "dcp",
-        "--quiet",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
+    done = run_cli("convert", str(ranks), str(tmp_path / "dcp"), "--to", "dcp", "--quiet")
     assert done.returncode == 0 and "(local) -> " in done.stdout, done.stderr
     assert_same(run_on_ranks(_fsdp2_load_model, 1, config, str(tmp_path / "dcp"))[0], expected, "FSDP2 at 1 rank")
 
@@ -383,8 +370,7 @@ def test_command_line(tmp_path) -> None:
     expected = run_on_ranks(_save_local, 2, config, str(tmp_path / "local"))[0]
 
     def convert(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "fsdp_legacy", "convert", *args]
-        return subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
+        return run_cli("convert", *args)
 
     done = convert(str(tmp_path / "local"), str(tmp_path / "full.pt"), "--to", "full")
     assert done.returncode == 0, done.stderr

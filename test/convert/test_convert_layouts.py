@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from test_convert import _fsdp2_load, _fsdp2_model, _save_local, assert_same, wi
 from test_optim_state import adam, load_into_fsdp2, model_sd, osd, train
 
 import repo_paths
+from cli_runner import run_cli
 from fsdp_legacy.convert import CheckpointError, convert_checkpoint, detect_layout
 from fsdp_legacy.convert.loading import load_rank_file
 from fsdp_utils import Config, build_torch_fsdp
@@ -294,11 +294,9 @@ def test_safetensors_from_verl_loads_with_load_full_model(tmp_path: Path) -> Non
     wrapped model at 2 ranks: its parameters equal the saving model's. (The tied head is written under both names,
     as stored; load_full_model accepts that.)"""
     directory, expected = _verl(tmp_path, "fsdp2")
-    done = subprocess.run(
-        [sys.executable, "-m", "fsdp_legacy", "convert", str(directory), str(tmp_path / "hf"), "--to", "safetensors",
-         "--max-shard-size", "2KB", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, check=False,
-    )  # fmt: skip
+    done = run_cli(
+        "convert", str(directory), str(tmp_path / "hf"), "--to", "safetensors", "--max-shard-size", "2KB", "--quiet"
+    )
     assert done.returncode == 0, done.stderr
     assert "(verl) -> " in done.stdout and "optimizer state was not carried" in done.stdout
     for params in run_on_ranks(_load_into_ours, 2, str(tmp_path / "hf")):
@@ -329,16 +327,11 @@ def test_detection_and_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"several layouts \(accelerate, safetensors\): pass --from"):
         convert_checkpoint(str(both), str(tmp_path / "x.pt"), to="full")
     convert_checkpoint(str(both), str(tmp_path / "x.pt"), to="full", source_layout="safetensors")
-    command = [sys.executable, "-m", "fsdp_legacy", "convert", str(both), str(tmp_path / "cli")]
-    done = subprocess.run(
-        [*command, "--to", "safetensors", "--from", "safetensors", "--dtype", "fp16", "--quiet"],
-        capture_output=True, text=True, cwd=REPO, check=False,
-    )  # fmt: skip
+    command = ["convert", str(both), str(tmp_path / "cli")]
+    done = run_cli(*command, "--to", "safetensors", "--from", "safetensors", "--dtype", "fp16", "--quiet")
     assert done.returncode == 0 and "(safetensors) -> " in done.stdout, done.stderr
     assert _read_directory(tmp_path / "cli")[0]["embed.weight"].dtype == torch.float16
-    done = subprocess.run(
-        [*command, "--to", "safetensors", "--dtype", "int8"], capture_output=True, text=True, check=False
-    )
+    done = run_cli(*command, "--to", "safetensors", "--dtype", "int8")
     assert done.returncode == 2 and "'int8' is not a floating-point dtype" in done.stderr
 
     empty = tmp_path / "empty"
