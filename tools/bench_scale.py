@@ -10,7 +10,9 @@ fake process group: real tensors on --device, the rank's own share of the parame
 its own compute, and collectives that move no data (they fill their outputs locally, a copy per collective: the
 step times below count compute and bookkeeping, no communication). The model is a Llama-style decoder with the
 published shapes of --preset (hidden size, intermediate size, layers, heads, kv heads, vocabulary), built on the meta
-device and materialised unit by unit as users do at these sizes, one FSDP unit per decoder layer, AdamW.
+device and materialised unit by unit as users do at these sizes, one FSDP unit per decoder layer, AdamW. `--lora R`
+fine-tunes it as LoRA recipes do: every parameter frozen, rank-R adapters on each decoder linear layer in the same
+unit (fsdp_legacy/cli/lora.py), AdamW over the adapters.
 
 Per implementation: the peak of live tensor memory (CUDA: max_memory_allocated, also max_memory_reserved and the
 allocator's retries; CPU: every live tensor storage counted by fsdp_legacy.memory.MemoryTracker, and the process's
@@ -56,6 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true", help="over each decoder layer")
     p.add_argument("--cpu-offload", action="store_true", help="parameters and gradients kept on the CPU")
     p.add_argument("--use-orig-params", action="store_true")
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="LoRA fine-tuning: the model frozen, adapters of this rank on every decoder linear layer (implies "
+        "--use-orig-params: FSDP1 holds frozen and trainable parameters in one flat parameter only with it)",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps after two untimed ones (default 3)")
     p.add_argument("--no-estimate", action="store_true", help="skip the estimator's prediction")
     p.add_argument("--json", type=Path, help="write the rows as JSON")
@@ -75,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         PRESETS[args.preset].with_layers(args.layers)
     except ValueError as error:
         p.error(str(error))
+    if args.lora < 0:
+        p.error(f"--lora {args.lora}: expected a rank of 1 or more (0: no LoRA)")
+    args.use_orig_params = args.use_orig_params or args.lora > 0
     torch_offloaders = [impl for impl in args.impls if impl in ("torch_fsdp1", "fsdp2")]
     if args.cpu_offload and args.device == "cpu" and torch_offloaders:
         p.error(
@@ -103,6 +116,7 @@ def config(args: argparse.Namespace, impl: str) -> RigConfig:
         cpu_offload=args.cpu_offload,
         use_orig_params=args.use_orig_params,
         steps=args.steps,
+        lora_rank=args.lora,
     )
 
 
@@ -119,13 +133,14 @@ def run_rig(cfg: RigConfig) -> dict[str, Any]:
 
 
 def model_flops_per_token(args: argparse.Namespace) -> float:
-    """Training FLOPs per token: 6 per parameter met by a token, plus attention's scores and weighted sum."""
+    """Training FLOPs per token: 6 per parameter met by a token (LoRA: 4, forward and the input's gradient, as the
+    frozen weights get none; the adapters are a rounding error), plus attention's scores and weighted sum."""
     cfg = PRESETS[args.preset].with_layers(args.layers)
     seq = args.batch[1]
     embedding = cfg.vocab_size * cfg.hidden_size  # a lookup, not a matmul
     matmul_params = cfg.num_parameters() - embedding * (0 if cfg.tie_embeddings else 1)
     attention = 6 * cfg.num_layers * cfg.hidden_size * seq  # 12 * layers * hidden * seq / 2 (causal)
-    return 6.0 * matmul_params + attention
+    return (4.0 if args.lora else 6.0) * matmul_params + attention
 
 
 def peak_tflops() -> float | None:
@@ -152,6 +167,7 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
             "world_size": args.world_size,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "batch": list(args.batch),
+            "lora_rank": args.lora,
             "options": options_text(args),
             "peak_allocated_bytes": result["peak_allocated_bytes"],
             "peak_reserved_bytes": result["peak_reserved_bytes"],
@@ -179,6 +195,7 @@ def options_text(args: argparse.Namespace) -> str:
             ("activation checkpointing", args.activation_checkpointing),
             ("CPU offload", args.cpu_offload),
             ("use_orig_params", args.use_orig_params),
+            (f"LoRA rank {args.lora} (the model frozen)", args.lora),
         )
         if on
     ]

@@ -44,6 +44,7 @@ class RigConfig:
     cpu_offload: bool
     use_orig_params: bool
     steps: int  # timed steps, after two untimed ones
+    lora_rank: int = 0  # > 0: every decoder linear layer frozen, with adapters of this rank (fsdp_legacy/cli/lora.py)
 
 
 @dataclass
@@ -113,6 +114,10 @@ def build_model(cfg: RigConfig, device: torch.device | str = "meta") -> torch.nn
 
     with torch.device(device):
         model = Llama(PRESETS[cfg.preset].with_layers(cfg.layers))
+    if cfg.lora_rank:
+        from fsdp_legacy.cli.lora import to_lora
+
+        to_lora(model, cfg.lora_rank)
     if cfg.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
@@ -213,6 +218,11 @@ def wrap_fsdp2(cfg: RigConfig, model: torch.nn.Module, device: torch.device) -> 
 # --- the measurement ----------------------------------------------------------------------------------------------
 
 
+def adamw(params: Any) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (LoRA: the adapters only, as fine-tuning recipes pass them)."""
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-4)
+
+
 def batch(cfg: RigConfig, device: torch.device) -> torch.Tensor:
     from fsdp_legacy.cli.llama import PRESETS
 
@@ -238,7 +248,7 @@ def run(cfg: RigConfig) -> RigResult:
         wrapped = wrap(cfg, model, device)
         if tracker is not None:
             tracker.track(wrapped)
-        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+        optimizer = adamw(wrapped.parameters())
 
         def step() -> float:
             loss = next_token_loss(wrapped(ids), ids)
@@ -286,7 +296,7 @@ def estimate(cfg: RigConfig) -> int:
         loss_fn,
         cfg.world_size,
         kwargs,
-        lambda p: torch.optim.AdamW(p, lr=1e-4),
+        adamw,
         steps=2,
         rank=cfg.rank,
         hybrid_shape=hybrid_shape(cfg) if cfg.sharding == "HYBRID_SHARD" else None,
