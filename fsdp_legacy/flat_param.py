@@ -218,19 +218,31 @@ def build_layout(references: Sequence[ParamRef], world_size: int, aligned_numel:
     )
 
 
-def flatten(layout: FlatParamLayout, tensors: dict[ParamInfo, torch.Tensor], device, dtype) -> torch.Tensor:
-    """Concatenate the original parameters into one padded flat tensor of `layout.padded_numel` elements."""
-    flat = torch.empty(layout.padded_numel, device=device, dtype=dtype)
-    flat[layout.numel :].zero_()  # world padding is zeros, alignment padding is PADDING_VALUE
+def flatten(
+    layout: FlatParamLayout,
+    tensors: dict[ParamInfo, torch.Tensor],
+    device,
+    dtype,
+    start: int = 0,
+    end: int | None = None,
+) -> torch.Tensor:
+    """Concatenate the original parameters into one padded flat tensor of `layout.padded_numel` elements, or only its
+    elements [start, end) (one rank's shard: the whole tensor is never made, so wrapping a unit holds its original
+    parameters and this rank's shard, not a second copy of the unit)."""
+    end = layout.padded_numel if end is None else end
+    flat = torch.empty(end - start, device=device, dtype=dtype)
+    flat[max(layout.numel, start) - start :].zero_()  # world padding is zeros, alignment padding is PADDING_VALUE
     info_at = {info.offset: info for info in layout.params}
     offset = 0
     for numel, is_padding in layout.segments:
-        target = flat[offset : offset + numel]
-        if is_padding:
-            target.fill_(PADDING_VALUE)
-        else:
-            info = info_at[offset]
-            target.copy_(info.flatten(tensors[info]))
+        lo, hi = max(offset, start), min(offset + numel, end)
+        if lo < hi:
+            target = flat[lo - start : hi - start]
+            if is_padding:
+                target.fill_(PADDING_VALUE)
+            else:
+                info = info_at[offset]
+                target.copy_(info.flatten(tensors[info])[lo - offset : hi - offset])
         offset += numel
     return flat
 

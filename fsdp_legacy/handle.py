@@ -149,12 +149,13 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             i: DTensorParam.of(p) for i, p in originals.items() if isinstance(p, DTensor)
         }
         with torch.no_grad():
-            full = flatten(layout, {i: local_tensor(p).detach() for i, p in originals.items()}, device, dtype)
-        if sharded:
-            n = layout.shard_numel
-            self.local_shard = full[self.rank * n : (self.rank + 1) * n].clone()
-        else:
-            self.local_shard = full[: layout.numel] if layout.padded_numel != layout.numel else full
+            tensors = {i: local_tensor(p).detach() for i, p in originals.items()}
+            if sharded:  # only this rank's elements are copied
+                n = layout.shard_numel
+                self.local_shard = flatten(layout, tensors, device, dtype, self.rank * n, (self.rank + 1) * n)
+            else:
+                full = flatten(layout, tensors, device, dtype)
+                self.local_shard = full[: layout.numel] if layout.padded_numel != layout.numel else full
         if offload_params:
             # Pinned memory lets the host-to-device copies of the shard run asynchronously on CUDA.
             pin = device.type == "cuda"
@@ -165,7 +166,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         # loading a state dict) between a forward and its backward must not look like an in-place change of the
         # flat parameter that autograd saved views of. `_local_shard` is torch's name for it.
         self.local_shard = self.flat_param._local_shard = self.flat_param.data
-        self._allocate_unsharded(reuse=full)
+        del tensors  # (the original parameters' data is released below)
         # use_orig_params=True keeps the original Parameters (as views of the shard); otherwise they are released,
         # and their storage with them, so the unsharded model does not outlive construction.
         self.orig_params: dict[ParamInfo, nn.Parameter] = originals if use_orig_params else {}
@@ -202,6 +203,9 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
                 shared.module._parameters.pop(shared.param_name, None)
             self._placeholders = {info: self._placeholder(info, dtype) for info in layout.params}
             self.drop_unsharded_views()
+        # Last, once the original parameters are views of the shard or released: the buffer is allocated (then freed)
+        # beside the shard only, not beside the unit's originals as well.
+        self._allocate_unsharded()
 
     def _set_precision(self, dtype: torch.dtype) -> None:
         """What follows from the local shard's dtype and the compute dtype."""
@@ -216,32 +220,16 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         self.reshard_after_forward = self._strategy_reshards_after_forward or self.recast_only
         self.is_unsharded = not self.uses_buffer
 
-    def _allocate_unsharded(self, reuse: torch.Tensor | None = None) -> None:
+    def _allocate_unsharded(self) -> None:
         """The unsharded buffer in the compute dtype (storage freed until an unshard), or the local shard itself when
-        none is needed. `reuse`: construction's full flat tensor, whose storage may serve as the buffer."""
+        none is needed."""
         if not self.uses_buffer:
             self.full_padded = self.local_shard
             return
         dtype = self.compute_dtype  # (the local shard's own unless mixed)
-        buffer = self._freed_in(reuse, dtype)
-        self.full_padded = (
-            buffer if buffer is not None else freed_tensor(self.layout.padded_numel, dtype, self.compute_device)
-        )
+        self.full_padded = freed_tensor(self.layout.padded_numel, dtype, self.compute_device)
         if self.mixed or self.offload:
             self._unsharded_buffers = {dtype: self.full_padded}  # by dtype: see select_precision
-
-    def _freed_in(self, full: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-        """The unsharded buffer made of construction's full flat tensor, freed: allocating a new one (then freeing it)
-        while that tensor and the original parameters are still alive added the buffer's size to construction's
-        peak, and on CUDA left it in the allocator's cache. Only when sharded (the shard is then a copy, not a view
-        of it) and the buffer fits in its storage on the compute device."""
-        if full is None or not self.sharded or full.device != self.compute_device:
-            return None
-        if full.dtype.itemsize % dtype.itemsize:  # (a wider dtype never divides it)
-            return None
-        buffer = full if dtype == full.dtype else full.view(dtype)[: self.layout.padded_numel]
-        free_storage(buffer)
-        return buffer
 
     @torch.no_grad()
     def adopt_replaced_flat_param(self, keep_device: bool = False) -> None:

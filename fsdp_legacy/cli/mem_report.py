@@ -23,6 +23,7 @@ from ..wrap import ModuleWrapPolicy
 from .common import EXIT_CODES, EXIT_OK, UsageError, import_name, module_class, progress
 from .gpt import CONFIGS, GPT, Block
 from .llama import PRESETS, DecoderLayer, Llama
+from .lora import to_lora
 from .qlora import to_qlora
 
 HELP = "predict each rank's peak memory for a model, world sizes and FSDP settings, allocating nothing"
@@ -46,6 +47,7 @@ EXAMPLES = f"""examples:
   fsdp-legacy mem-report --model gpt-1b --world-sizes 8 --offload --json      # bytes, for scripts
   fsdp-legacy mem-report --model llama-70b --qlora --activation-checkpointing --mixed-precision bf16 \
       --world-sizes 2 --offload                                            # QLoRA on two GPUs
+  fsdp-legacy mem-report --model llama-8b --lora --lora-rank 16 --mixed-precision bf16 --world-sizes 8
 
 {EXIT_CODES}"""
 
@@ -86,7 +88,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--mixed-precision", default="fp32", choices=list(PRECISIONS))
     p.add_argument("--offload", action="store_true", help="CPUOffload(offload_params=True)")
-    p.add_argument("--use-orig-params", action="store_true", help="use_orig_params=True (implied by --qlora)")
+    p.add_argument("--use-orig-params", action="store_true", help="use_orig_params=True (implied by --lora, --qlora)")
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="checkpoint each unit's activations (non-reentrant)"
     )
@@ -95,7 +97,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="frozen 4-bit base weights and trainable LoRA adapters on every linear layer but the output head",
     )
-    p.add_argument("--lora-rank", type=int, default=64, help="--qlora: the adapters' rank (default 64)")
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="the model frozen as it is, trainable LoRA adapters on every linear layer but the output head",
+    )
+    p.add_argument("--lora-rank", type=int, default=64, help="--lora, --qlora: the adapters' rank (default 64)")
     p.add_argument("--layers", type=int, help="a Llama preset's first N decoder layers only (default: all)")
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=2, help="training steps per estimate (2: with optimizer state)")
@@ -172,8 +179,8 @@ def workload(args: argparse.Namespace) -> Workload:
 
 
 def with_training_setup(args: argparse.Namespace, work: Workload) -> Workload:
-    """`work` with QLoRA and activation checkpointing applied to its model as it is built."""
-    if not (args.qlora or args.activation_checkpointing):
+    """`work` with LoRA or QLoRA and activation checkpointing applied to its model as it is built."""
+    if not (args.lora or args.qlora or args.activation_checkpointing):
         return work
     plain = work.build
 
@@ -181,6 +188,8 @@ def with_training_setup(args: argparse.Namespace, work: Workload) -> Workload:
         model = plain()
         if args.qlora:
             to_qlora(model, rank=args.lora_rank)
+        elif args.lora:
+            to_lora(model, rank=args.lora_rank)
         if args.activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
@@ -214,9 +223,14 @@ def fsdp_kwargs(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
     if args.offload:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
-    if args.use_orig_params or args.qlora:  # (QLoRA: frozen and trainable parameters of one dtype in one unit)
+    if uses_orig_params(args):
         kwargs["use_orig_params"] = True
     return kwargs
+
+
+def uses_orig_params(args: argparse.Namespace) -> bool:
+    """Asked for, or implied: (Q)LoRA puts frozen and trainable parameters of one dtype in one unit."""
+    return bool(args.use_orig_params or args.qlora or args.lora)
 
 
 def wrap_plan(work: Workload) -> dict[str, Any]:
@@ -324,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps}: estimate at least one step (2 include the optimizer state).")
     if args.lora_rank < 1:
         raise UsageError(f"--lora-rank {args.lora_rank}: the adapters need a rank of at least 1.")
+    if args.lora and args.qlora:
+        raise UsageError("--lora and --qlora: choose one (--qlora is LoRA on 4-bit base weights).")
     work = with_training_setup(args, workload(args))
     plan = wrap_plan(work)
     extras = [
@@ -331,8 +347,9 @@ def run(args: argparse.Namespace) -> int:
         for name, on in (
             ("CPU offload", args.offload),
             (f"QLoRA (rank {args.lora_rank})", args.qlora),
+            (f"LoRA (rank {args.lora_rank}, the model frozen)", args.lora),
             ("activation checkpointing", args.activation_checkpointing),
-            ("use_orig_params", args.use_orig_params or args.qlora),
+            ("use_orig_params", uses_orig_params(args)),
         )
         if on
     ]
@@ -390,9 +407,10 @@ def _as_json(
         "model": work.name,
         "setup": {
             "qlora": args.qlora,
-            "lora_rank": args.lora_rank if args.qlora else None,
+            "lora": args.lora,
+            "lora_rank": args.lora_rank if args.qlora or args.lora else None,
             "activation_checkpointing": args.activation_checkpointing,
-            "use_orig_params": args.use_orig_params or args.qlora,
+            "use_orig_params": uses_orig_params(args),
             "sharding_strategy": args.sharding_strategy,
             "mixed_precision": args.mixed_precision,
             "offload": args.offload,

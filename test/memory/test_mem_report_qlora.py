@@ -1,9 +1,11 @@
-"""`fsdp-legacy mem-report --model llama-* --qlora --activation-checkpointing --offload`: the prediction against a real
-run of the same workload on 2 gloo ranks (the tracker's peaks), and the memory that CPU offload moves to the host
-against the analytic count (each rank's half of every parameter, and of the adapters' gradients and AdamW moments)."""
+"""`fsdp-legacy mem-report --model llama-* --qlora (or --lora) --activation-checkpointing --offload`: the prediction
+against a real run of the same workload on 2 gloo ranks (the tracker's peaks), and the memory that CPU offload moves to
+the host against the analytic count (each rank's half of every parameter, and of the adapters' gradients and AdamW
+moments)."""
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -16,12 +18,13 @@ ARGS = ["--model", "llama-tiny", "--qlora", "--lora-rank", "4", "--activation-ch
 ARGS += ["--mixed-precision", "bf16", "--world-sizes", "2", "--optimizer", "adamw", "--quiet"]
 
 
-def _args(*extra: str):
-    return build_parser().parse_args(["mem-report", *ARGS, *extra])
+def _args(*extra: str, lora: bool = False):
+    args = [a for a in ARGS if a != "--qlora"] + ["--lora"] if lora else ARGS
+    return build_parser().parse_args(["mem-report", *args, *extra])
 
 
-def _measure(*extra: str):
-    args = _args(*extra)
+def _measure(*extra: str, lora: bool = False):
+    args = _args(*extra, lora=lora)
     work = with_training_setup(args, workload(args))
     torch.manual_seed(dist.get_rank())
     return profile_training(work.build(), loss_fn(work), fsdp_kwargs(args, work), OPTIMIZERS[args.optimizer], 2)
@@ -32,12 +35,22 @@ def _report(capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)["estimates"][0]
 
 
-def test_qlora_prediction_matches_a_real_run(capsys) -> None:
-    reported = _report(capsys)
-    for rank, profile in enumerate(run_on_ranks(_measure, 2)):
+@pytest.mark.parametrize("lora", [False, True], ids=["qlora", "lora"])
+def test_prediction_matches_a_real_run(capsys, lora: bool) -> None:
+    args = [a for a in ARGS if a != "--qlora"] + ["--lora"] if lora else ARGS
+    assert main(["mem-report", *args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["setup"]["lora"], report["setup"]["qlora"], report["setup"]["lora_rank"]) == (lora, not lora, 4)
+    reported = report["estimates"][0]
+    for rank, profile in enumerate(run_on_ranks(_measure, 2, lora=lora)):
         for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
             real, guess = profile.peak(phase), reported["peak_bytes"][phase.value]
             assert abs(guess - real) <= 0.10 * real, f"{phase} rank {rank}: predicted {guess}, measured {real}"
+
+
+def test_lora_and_qlora_together_are_refused(capsys) -> None:
+    assert main(["mem-report", *ARGS, "--lora"]) == 2
+    assert "--lora and --qlora: choose one" in capsys.readouterr().err
 
 
 def test_offload_moves_the_shards_gradients_and_optimizer_state_to_the_host(capsys) -> None:
