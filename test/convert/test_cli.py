@@ -69,14 +69,11 @@ def real_command(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 command = run_cli  # the same command in this process (cli_runner.py): no interpreter and torch import per call
 
 
-def inspected(path: Path, capsys: pytest.CaptureFixture | None = None) -> dict:
-    """`inspect PATH --json`: the real command, or main() in this process where `capsys` is given (faster)."""
-    if capsys is None:
-        done = command("inspect", str(path), "--json")
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-    assert main(["inspect", str(path), "--json", "--quiet"]) == 0
-    return json.loads(capsys.readouterr().out)
+def inspected(path: Path) -> dict:
+    """`inspect PATH --json`, parsed."""
+    done = command("inspect", str(path), "--json", "--quiet")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 def listing(found: dict) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -121,7 +118,7 @@ def assert_same(actual: Any, expected: Any, what: str) -> None:
 # convert and inspect
 
 
-def test_convert_and_inspect(saved: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_convert_and_inspect(saved: tuple[Path, dict], tmp_path: Path) -> None:
     """LOCAL (DCP, 2 ranks) -> full file through the command equals the saving model's FULL state dicts bit for bit;
     inspect lists exactly the model's names, shapes and dtypes in the LOCAL checkpoint (its flat parameters named by
     their records), the per-rank files, the full file and a bf16 safetensors directory, with the world size where
@@ -152,19 +149,19 @@ def test_convert_and_inspect(saved: tuple[Path, dict], tmp_path: Path, capsys: p
         "groups": 1,
     }
 
-    ranks = inspected(directory / "ranks", capsys)
+    ranks = inspected(directory / "ranks")
     assert (ranks["layout"], ranks["format"], ranks["world_size"]) == ("local", "local", 2)
     assert listing(ranks) == oracle and ranks["optimizer"] == {"present": False}
     assert ranks["files"] == 2 and ranks["disk_bytes"] == sum(f.stat().st_size for f in (directory / "ranks").iterdir())
 
-    whole = inspected(full, capsys)
+    whole = inspected(full)
     assert (whole["layout"], whole["format"], whole["world_size"]) == ("full", "full", None)
     assert listing(whole) == oracle and whole["optimizer"]["present"]
     assert whole["tensor_bytes"] == sum(t.numel() * t.element_size() for t in tensors_in(stored))
     assert stored.keys() == {"model", "optim", "layout"} and "carries the layout records of 4" in whole["notes"][0]
 
     convert_checkpoint(str(full), str(tmp_path / "hf"), to="safetensors", dtype=torch.bfloat16)
-    hf = inspected(tmp_path / "hf", capsys)
+    hf = inspected(tmp_path / "hf")
     assert (hf["layout"], hf["format"], hf["optimizer"]) == ("safetensors", "safetensors", {"present": False})
     assert listing(hf) == expected_listing(expected["model"], torch.bfloat16)
 
@@ -186,9 +183,7 @@ def test_inspect_text(saved: tuple[Path, dict]) -> None:
     assert {(r[0], "".join(r[1:-1]), r[-1]) for r in rows if r[0] != "name"} == table
 
 
-def test_inspect_reads_no_tensor_data_and_runs_no_pickled_code(
-    saved: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
+def test_inspect_reads_no_tensor_data_and_runs_no_pickled_code(saved: tuple[Path, dict], tmp_path: Path) -> None:
     """A full file whose tensor bytes are damaged: convert refuses it (its CRC check reads them: exit 1, one line),
     inspect describes it all the same (it reads only the pickle). A pickle that would run code is refused (exit 1)
     and the code does not run."""
@@ -206,7 +201,7 @@ def test_inspect_reads_no_tensor_data_and_runs_no_pickled_code(
     done = command("convert", str(path), str(tmp_path / "out.pt"), "--to", "full")
     assert done.returncode == 1 and "does not match the CRC-32" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
-    assert listing(inspected(path, capsys)) == expected_listing(expected["model"])
+    assert listing(inspected(path)) == expected_listing(expected["model"])
 
     class Payload:
         def __reduce__(self) -> tuple:

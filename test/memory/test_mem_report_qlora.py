@@ -18,9 +18,13 @@ ARGS = ["--model", "llama-tiny", "--qlora", "--lora-rank", "4", "--activation-ch
 ARGS += ["--mixed-precision", "bf16", "--world-sizes", "2", "--optimizer", "adamw", "--quiet"]
 
 
+def _cli(lora: bool) -> list[str]:
+    """The QLoRA arguments, or the same workload with plain LoRA (the model frozen as it is)."""
+    return [a for a in ARGS if a != "--qlora"] + ["--lora"] if lora else ARGS
+
+
 def _args(*extra: str, lora: bool = False):
-    args = [a for a in ARGS if a != "--qlora"] + ["--lora"] if lora else ARGS
-    return build_parser().parse_args(["mem-report", *args, *extra])
+    return build_parser().parse_args(["mem-report", *_cli(lora), *extra])
 
 
 def _measure(*extra: str, lora: bool = False):
@@ -30,16 +34,14 @@ def _measure(*extra: str, lora: bool = False):
     return profile_training(work.build(), loss_fn(work), fsdp_kwargs(args, work), OPTIMIZERS[args.optimizer], 2)
 
 
-def _report(capsys, *extra: str) -> dict:
-    assert main(["mem-report", *ARGS, "--json", *extra]) == 0
-    return json.loads(capsys.readouterr().out)["estimates"][0]
+def _report(capsys, *extra: str, lora: bool = False) -> dict:
+    assert main(["mem-report", *_cli(lora), "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["qlora", "lora"])
 def test_prediction_matches_a_real_run(capsys, lora: bool) -> None:
-    args = [a for a in ARGS if a != "--qlora"] + ["--lora"] if lora else ARGS
-    assert main(["mem-report", *args, "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = _report(capsys, lora=lora)
     assert (report["setup"]["lora"], report["setup"]["qlora"], report["setup"]["lora_rank"]) == (lora, not lora, 4)
     reported = report["estimates"][0]
     for rank, profile in enumerate(run_on_ranks(_measure, 2, lora=lora)):
@@ -54,7 +56,7 @@ def test_lora_and_qlora_together_are_refused(capsys) -> None:
 
 
 def test_offload_moves_the_shards_gradients_and_optimizer_state_to_the_host(capsys) -> None:
-    reported = _report(capsys, "--offload")
+    reported = _report(capsys, "--offload")["estimates"][0]
     args = _args("--offload")
     model = with_training_setup(args, workload(args)).build()
     params = {id(p): p for p in model.parameters()}.values()
