@@ -66,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="LoRA fine-tuning: the model frozen, adapters of this rank on every decoder linear layer (implies "
         "--use-orig-params: FSDP1 holds frozen and trainable parameters in one flat parameter only with it)",
     )
+    p.add_argument(
+        "--checkpoint",
+        choices=["full", "sharded"],
+        help="after training, take the model's and the optimizer's state dicts as frameworks do (full: rank 0 keeps "
+        "them, offloaded to the CPU from a GPU; sharded: every rank its shards) and report that moment's peak",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps after two untimed ones (default 3)")
     p.add_argument("--no-estimate", action="store_true", help="skip the estimator's prediction")
     p.add_argument("--json", type=Path, help="write the rows as JSON")
@@ -95,6 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "on the CPU (torch raises 'Cannot access accelerator device when none is available'); use --impls ours "
             "or --device cuda"
         )
+    if args.checkpoint and (args.use_orig_params or args.rank != 0):
+        p.error(
+            f"--checkpoint with {'use_orig_params' if args.use_orig_params else f'--rank {args.rank}'}: the fake "
+            "process group's object collectives carry only this rank's objects, so a rank would miss the states of "
+            "parameters it holds no element of (use_orig_params), and only rank 0 sends what rank0_only saves; "
+            "run --checkpoint on rank 0 with flat parameters"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     return args
@@ -117,6 +130,7 @@ def config(args: argparse.Namespace, impl: str) -> RigConfig:
         use_orig_params=args.use_orig_params,
         steps=args.steps,
         lora_rank=args.lora,
+        checkpoint=args.checkpoint or "",
     )
 
 
@@ -177,6 +191,12 @@ def rows_for(args: argparse.Namespace) -> list[dict[str, Any]]:
             "tokens_per_s": tokens / step_s if step_s else None,
             "loss": result["loss"],
         }
+        if args.checkpoint:
+            row.update(
+                checkpoint=args.checkpoint,
+                save_peak_bytes=result["save_peak_bytes"],
+                save_held_bytes=result["save_held_bytes"],
+            )
         tflops = peak_tflops() if args.device == "cuda" else None
         if tflops and step_s:
             row["mfu"] = model_flops_per_token(args) * tokens / step_s / (tflops * 1e12)
@@ -234,6 +254,18 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['alloc_retries']} | {gib(r['estimate_bytes'])} | {error} | {r['step_s']:.3f} | {step_ratio} "
             f"| {r['tokens_per_s'] or 0:.0f} | {mfu} |"
         )
+    if "checkpoint" in first:
+        lines += [
+            "",
+            f"Taking a {first['checkpoint'].upper()} checkpoint after training (the model's and the optimizer's state "
+            "dicts):",
+            "",
+            "| impl | peak while saving GiB | vs torch FSDP1 | the state dicts GiB |",
+            "|---|---|---|---|",
+        ]
+        for r in rows:
+            ratio = f"{r['save_peak_bytes'] / torch1['save_peak_bytes']:.3f}x" if torch1 else ""
+            lines.append(f"| {r['impl']} | {gib(r['save_peak_bytes'])} | {ratio} | {gib(r['save_held_bytes'])} |")
     return "\n".join(lines)
 
 

@@ -45,6 +45,7 @@ class RigConfig:
     use_orig_params: bool
     steps: int  # timed steps, after two untimed ones
     lora_rank: int = 0  # > 0: every decoder linear layer frozen, with adapters of this rank (fsdp_legacy/cli/lora.py)
+    checkpoint: str = ""  # full | sharded: after training, take the model's and the optimizer's state dicts, measured
 
 
 @dataclass
@@ -55,6 +56,8 @@ class RigResult:
     step_s: float
     step_times: list[float]
     loss: float
+    save_peak_bytes: int = 0  # the most memory live while the checkpoint was taken (--checkpoint)
+    save_held_bytes: int = 0  # what the state dicts hold on this rank
 
 
 # --- collectives that fill their outputs -------------------------------------------------------------------------
@@ -80,9 +83,17 @@ def _filling_reduce_scatter(original: Any, output: torch.Tensor, input: torch.Te
     return work
 
 
+def _filling_all_gather_object(original: Any, object_list: list[Any], obj: Any, *args: Any, **kwargs: Any) -> Any:
+    work = original(object_list, obj, *args, **kwargs)
+    object_list[:] = [obj] * len(object_list)  # every rank sent what this one did
+    return work
+
+
 def install_filling_collectives() -> None:
     """Before fsdp_legacy is imported (it binds the collectives at import), wrap the single-tensor collectives of
-    every torch release (2.13 renamed them) so that the fake group's outputs hold values."""
+    every torch release (2.13 renamed them) so that the fake group's outputs hold values; all_gather_object (the
+    checkpoint's exchanges of state names and shapes) gets this rank's object from every rank."""
+    dist.all_gather_object = partial(_filling_all_gather_object, dist.all_gather_object)
     for name, filler in (
         ("all_gather_single", _filling_all_gather),
         ("all_gather_into_tensor", _filling_all_gather),
@@ -215,6 +226,67 @@ def wrap_fsdp2(cfg: RigConfig, model: torch.nn.Module, device: torch.device) -> 
     return model
 
 
+# --- the checkpoint -----------------------------------------------------------------------------------------------
+
+
+def take_checkpoint(cfg: RigConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """The model's and the optimizer's state dicts as frameworks take them: FULL (rank 0 keeps them; offloaded to the
+    CPU from a GPU) or SHARDED; FSDP2 through torch.distributed.checkpoint.state_dict's get_state_dict."""
+    full = cfg.checkpoint == "full"
+    offload = full and cfg.device == "cuda"  # (offload_to_cpu on a CPU run is torch FSDP1's CPU bug: left off)
+    if cfg.impl == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=offload))
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+
+    if cfg.impl == "ours":
+        from fsdp_legacy import FullyShardedDataParallel as wrapper
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as wrapper  # type: ignore[assignment]
+    if full:
+        configs: tuple[Any, ...] = (
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+            FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+        )
+    else:
+        configs = (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig())
+    with wrapper.state_dict_type(model, *configs):
+        return model.state_dict(), wrapper.optim_state_dict(model, optimizer)
+
+
+def state_dict_nbytes(value: Any, device: str | None = None) -> int:
+    """Bytes of the distinct storages a (nested) state dict holds on this rank (on `device`, if given):
+    ShardedTensors' and DTensors' local pieces, a storage shared by several entries once."""
+    storages: dict[int, int] = {}
+
+    def visit(item: Any) -> None:
+        if isinstance(item, dict):
+            for v in item.values():
+                visit(v)
+        elif isinstance(item, list | tuple):
+            for v in item:
+                visit(v)
+        elif hasattr(item, "local_shards"):
+            for shard in item.local_shards():
+                visit(shard.tensor)
+        elif hasattr(item, "to_local"):
+            visit(item.to_local())
+        elif isinstance(item, torch.Tensor) and (device is None or item.device.type == device):
+            storage = item.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    visit(value)
+    return sum(storages.values())
+
+
 # --- the measurement ----------------------------------------------------------------------------------------------
 
 
@@ -260,23 +332,35 @@ def run(cfg: RigConfig) -> RigResult:
             return float(loss.detach())
 
         losses = [step(), step()]  # the second has optimizer state: the steady state's peak
+        save = (0, 0)
         if tracker is not None:
+            allocated = tracker.peak(device="cpu")
+            if cfg.checkpoint:  # on the CPU while the tracker counts (it would slow the timed steps)
+                tracker.reset_peak()
+                saved = take_checkpoint(cfg, wrapped, optimizer)
+                save = (tracker.peak(device="cpu"), state_dict_nbytes(saved, "cpu"))
+                del saved
             tracker.__exit__(None, None, None)
         times = []
         for _ in range(cfg.steps):
             start = time.perf_counter()
             losses.append(step())
             times.append(time.perf_counter() - start)
-    if device.type == "cuda":
-        stats = torch.cuda.memory_stats(device)
-        allocated, reserved = stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
-        retries = stats.get("num_alloc_retries", 0)
-    else:
-        assert tracker is not None
-        allocated = tracker.peak(device="cpu")
-        reserved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak resident set
-        retries = 0
-    return RigResult(allocated, reserved, retries, statistics.median(times) if times else 0.0, times, losses[-1])
+        if device.type == "cuda":
+            stats = torch.cuda.memory_stats(device)
+            allocated, reserved = stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
+            retries = stats.get("num_alloc_retries", 0)
+            if cfg.checkpoint:  # on the GPU after the timed steps, its own peak
+                torch.cuda.reset_peak_memory_stats(device)
+                saved = take_checkpoint(cfg, wrapped, optimizer)
+                torch.cuda.synchronize()
+                save = (torch.cuda.max_memory_allocated(device), state_dict_nbytes(saved))
+                del saved
+        else:
+            reserved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak resident set
+            retries = 0
+    median = statistics.median(times) if times else 0.0
+    return RigResult(allocated, reserved, retries, median, times, losses[-1], *save)
 
 
 def estimate(cfg: RigConfig) -> int:

@@ -9,7 +9,6 @@ as a ShardedTensor or DTensor, the layout of the SHARDED model state dict). 0-d 
 copied, never gathered.
 """
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from ..api import (
 )
 from ..flat_param import ParamInfo
 from ..handle import FlatParamHandle
+from ..storage import free_storage
 from ..tensor_parallel import DTensorParam
 from ..unit import FSDPUnit
 from .dcp_load_hook import install as install_dcp_load_hook
@@ -145,7 +145,12 @@ def plan_optim_save(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[st
             osd = by_param_ids(model, [param for group in optim.param_groups for param in group["params"]], osd)
         except ValueError as failure:  # raised on every rank at the first exchange, not here alone (no hang)
             osd, error = {"state": {}, "param_groups": []}, str(failure)
-    return OptimSavePlan(osd, entries, _handles_in_model_order(model), _uses_orig_params(model), error)
+    units = _handles_in_model_order(model)
+    for _, handle, _ in units:
+        # use_orig_params: after zero_grad(set_to_none=True) the sharded gradients are freed before the save's
+        # gathers, as torch's FSDP1 frees them (else the next forward would).
+        handle.sync_grad_from_orig_params()
+    return OptimSavePlan(osd, entries, units, _uses_orig_params(model), error)
 
 
 @torch.no_grad()
@@ -186,12 +191,10 @@ def build_optim_state(
             }
     # Units gather in the model's order, the same on every rank whatever order each rank's optimizer has.
     for unit, handle, infos in plan.units:
-        if not any(fqn in specs for _, fqn in infos):
-            continue
-        for fqn, info, gathered in _gather_handle(handle, infos, local, specs, unit_groups):
-            if keep:
-                record = handle.dtensors.get(info)
-                values[fqn] = {n: _save_value(v, unit, handle, full, config, record) for n, v in gathered.items()}
+        unit_specs = {fqn: specs[fqn] for _, fqn in infos if fqn in specs}
+        if unit_specs:
+            saved = _save_unit(unit, handle, infos, local, unit_specs, _SaveAs(full, config, keep), unit_groups)
+            values.update(saved)
     if not keep:
         return {}
     # torch's order: rank 0's optimizer's with flat parameters (it takes rank 0's keys), else this rank's.
@@ -266,53 +269,100 @@ def _in_torch_uop_order(state: dict[str, Any], entries: list[tuple[int, Entry]])
     return dict(sorted(state.items(), key=lambda kv: (unit_rank[unit_of[kv[0]]] if kv[0] in unit_of else -1, kv[0])))
 
 
-def _gather_handle(
+@dataclass(frozen=True)
+class _SaveAs:
+    """How a state is saved: whole (FULL) or as dim-0 chunks, by `config`; `keep` is False on the ranks that only
+    take part in the gathers (rank0_only)."""
+
+    full: bool
+    config: OptimStateDictConfig
+    keep: bool
+
+
+def _save_unit(
+    unit: FSDPUnit,
     handle: FlatParamHandle,
     infos: list[tuple[ParamInfo, str]],
     local_by_fqn: dict[str, dict[str, Any]],
-    specs: dict[str, dict],
-    unit_groups: dict[dist.ProcessGroup, dist.ProcessGroup] | None = None,
-) -> Iterable[tuple[str, ParamInfo, dict[str, Any]]]:
-    """(fqn, layout info, {state name: full tensor view or scalar}) of the unit's parameters (`infos`, in the model's
-    order) that have state anywhere; a scalar is this rank's own where it has one, else another rank's."""
-    shard_numel = handle.local_shard.numel()
+    specs: dict[str, dict[str, Any]],
+    save_as: _SaveAs,
+    unit_groups: dict[dist.ProcessGroup, dist.ProcessGroup] | None,
+) -> dict[str, dict[str, Any]]:
+    """{fqn: {state name: saved value}} of the unit's parameters that have state anywhere (`specs`), in torch's order;
+    a scalar is this rank's own where it has one, else another rank's.
+
+    One state is gathered at a time, and each parameter's value is cut out of it before the next gather: the unit's
+    states are never all whole at once (AdamW's two would be twice the unit's unsharded size beside the saved
+    copies)."""
     group = handle.group if unit_groups is None else unit_groups[handle.group]
     device = handle.local_shard.device if unit_groups is None else torch.device("cpu")
-    pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
     names = {name: spec[1] for _, fqn in infos for name, spec in specs.get(fqn, {}).items() if spec[0]}
-    gathered: dict[str, torch.Tensor] = {}
+    tensors: dict[str, dict[str, Any]] = {fqn: {} for fqn in specs}
     for name, dtype in names.items():
-        local = torch.zeros(shard_numel, dtype=dtype, device=device)
-        for info, fqn in infos:
-            value = local_by_fqn.get(fqn, {}).get(name)
+        whole = _gather_state(
+            handle, infos, [local_by_fqn.get(fqn, {}).get(name) for _, fqn in infos], dtype, group, device
+        )
+        if save_as.keep:
+            for info, fqn in infos:
+                if name in tensors.get(fqn, {}) or name not in specs.get(fqn, {}):
+                    continue
+                record = handle.dtensors.get(info)
+                tensors[fqn][name] = _save_value(info.view_in(whole), unit, handle, save_as, record)
+        if handle.sharded:  # now, and not when the backend drops its work object (gloo's may outlive wait())
+            free_storage(whole)
+        del whole
+    if not save_as.keep:
+        return {}
+    return {
+        fqn: {
+            name: tensors[fqn][name]
+            if is_tensor
+            else _save_value(local_by_fqn.get(fqn, {}).get(name, value), unit, handle, save_as, None)
+            for name, (is_tensor, value) in _in_torch_order(specs[fqn], handle)
+        }
+        for fqn in specs
+    }
+
+
+def _gather_state(
+    handle: FlatParamHandle,
+    infos: list[tuple[ParamInfo, str]],
+    values: list[torch.Tensor | None],
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> torch.Tensor:
+    """One state of the unit, laid out as its flat parameter (padded, when sharded), from this rank's `values` (one
+    per info: the original parameters' pieces with use_orig_params, the flat shard's state without)."""
+    flat_state = next((v for v in values if v is not None), None) if not handle.use_orig_params else None
+    flat_state_ptr = flat_state.untyped_storage().data_ptr() if flat_state is not None else None
+    if (
+        handle.sharded
+        and flat_state is not None
+        and (flat_state.dtype, flat_state.device, flat_state.numel()) == (dtype, device, handle.local_shard.numel())
+    ):
+        local = flat_state.reshape(-1)  # the flat parameter's state is this rank's whole shard: gathered as it is
+    else:
+        local = torch.zeros(handle.local_shard.numel(), dtype=dtype, device=device)
+        pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
+        for (info, _), value in zip(infos, values, strict=True):
             if value is None:
                 continue
             if not handle.use_orig_params:
-                local.copy_(value.reshape(-1))  # the flat parameter's state is this rank's whole shard
+                local.copy_(value.reshape(-1))
                 break
             if not handle.sharded:
                 local[info.offset : info.offset + info.numel].copy_(info.flatten(value))
             elif info in pieces:
                 piece = pieces[info]
                 local[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard].copy_(value.reshape(-1))
-        if handle.sharded:
-            flat = torch.empty(handle.layout.padded_numel, dtype=dtype, device=local.device)
-            comm.all_gather(flat, local, group).wait()
-            gathered[name] = flat
-        else:
-            gathered[name] = local
-    for info, fqn in infos:
-        if fqn not in specs:
-            continue
-        mine = local_by_fqn.get(fqn, {})
-        yield (
-            fqn,
-            info,
-            {
-                name: info.view_in(gathered[name]) if is_tensor else mine.get(name, value)
-                for name, (is_tensor, value) in _in_torch_order(specs[fqn], handle)
-            },
-        )
+    if not handle.sharded:
+        return local
+    whole = torch.empty(handle.layout.padded_numel, dtype=dtype, device=local.device)
+    comm.all_gather(whole, local, group).wait()
+    if local.untyped_storage().data_ptr() != flat_state_ptr:
+        free_storage(local)
+    return whole
 
 
 def _in_torch_order(specs: dict[str, Any], handle: FlatParamHandle) -> list[tuple[str, Any]]:
@@ -331,17 +381,13 @@ def _in_torch_order(specs: dict[str, Any], handle: FlatParamHandle) -> list[tupl
 
 
 def _save_value(
-    value: Any,
-    unit: FSDPUnit,
-    handle: FlatParamHandle,
-    full: bool,
-    config: OptimStateDictConfig,
-    record: DTensorParam | None,
+    value: Any, unit: FSDPUnit, handle: FlatParamHandle, save_as: _SaveAs, record: DTensorParam | None
 ) -> Any:
     """One state of one parameter (`value`: whole over dp; the local piece of a DTensor parameter, which `record`
     describes) as the checkpoint holds it: as the model's state dict holds the parameter."""
     if is_scalar(value):
         return copy_scalar(value)
+    full, config = save_as.full, save_as.config
     # NO_SHARD with use_orig_params keeps full tensors under SHARDED/LOCAL too, as torch does (not without).
     if full or (not handle.sharded and handle.use_orig_params):
         copy = detached_copy(value, config.offload_to_cpu)  # never a view of the gather buffer (torch's CPU bug)

@@ -67,6 +67,7 @@ def init_unit(unit: FSDPUnit) -> None:
     unit._state_dict_type = StateDictType.FULL_STATE_DICT
     unit._state_dict_config = FullStateDictConfig()
     unit._optim_state_dict_config = FullOptimStateDictConfig()
+    unit.register_state_dict_pre_hook(_pre_state_dict_hook)
     unit._register_state_dict_hook(_post_state_dict_hook)
     # The save identity of later LOCAL saves changes with every optimizer step and load (save_identity.py).
     save_identity.track(
@@ -182,6 +183,15 @@ def effective_settings(unit: FSDPUnit) -> tuple[StateDictType, StateDictConfig]:
 
 
 @torch.no_grad()
+def _pre_state_dict_hook(unit: FSDPUnit, prefix: str, keep_vars: bool) -> None:
+    # use_orig_params: after zero_grad(set_to_none=True) the sharded gradients of the whole subtree are freed before
+    # its first gather, as torch's FSDP1 frees them at the root (else the next forward would); nested units then find
+    # nothing left to do.
+    for inner in fsdp_modules(unit):
+        for handle in inner._handles:
+            handle.sync_grad_from_orig_params()
+
+
 def _post_state_dict_hook(unit: FSDPUnit, destination: dict, prefix: str, local_metadata: Any) -> None:
     kind, config = effective_settings(unit)
     # The unit's entries are the last ones saved (its whole subtree); take them out and put them back rewritten.

@@ -73,18 +73,38 @@ def test_lora_fine_tuning_on_one_rank_of_eight(tmp_path):
     assert abs(ours["estimate_bytes"] - ours["peak_allocated_bytes"]) <= 0.05 * ours["peak_allocated_bytes"]
 
 
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_checkpoint_on_rank_zero_of_eight(tmp_path, kind: str) -> None:
+    """--checkpoint: the model's and the optimizer's state dicts taken after training. Ours and torch's FSDP1 save the
+    same format, so their dicts hold the same bytes: FULL, rank 0 the whole model and AdamW's two moments (fp32);
+    SHARDED, this rank's dim-0 chunk of each. SHARDED, ours gathers one state of one unit at a time and so peaks no
+    higher than torch's FSDP1 (which gathers a unit's states together)."""
+    options = ("--world-size", "8", "--layers", "2", "--no-estimate", "--checkpoint", kind)
+    rows = run_bench(tmp_path, *options, env={"FSDP_LEGACY_BUCKET_MB": "0"})
+    by_impl = {row["impl"]: row for row in rows}
+    assert all(row["checkpoint"] == kind and row["save_peak_bytes"] >= row["save_held_bytes"] > 0 for row in rows)
+    ours, torch_fsdp1 = by_impl["ours"], by_impl["torch_fsdp1"]
+    assert abs(ours["save_held_bytes"] - torch_fsdp1["save_held_bytes"]) <= 1024  # (0-d steps' dtypes aside)
+    params = list(Llama(PRESETS["llama-tiny"].with_layers(2)).parameters())
+    if kind == "full":
+        assert ours["save_held_bytes"] >= 3 * 4 * sum(p.numel() for p in params)
+    else:
+        chunks = 3 * 4 * sum(math.ceil(p.shape[0] / 8) * p[0].numel() for p in params)
+        assert chunks <= ours["save_held_bytes"] <= 1.1 * chunks  # (the tied output layer's chunk saves twice)
+        assert ours["save_peak_bytes"] <= torch_fsdp1["save_peak_bytes"]
+
+
 def test_bad_input_is_refused() -> None:
-    bad = subprocess.run(
-        [sys.executable, os.path.join(TOOLS, "bench_scale.py"), "--preset", "llama-tiny", "--layers", "99"],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and "has 1 to 8 decoder layers" in bad.stderr
-    offload = subprocess.run(
-        [sys.executable, os.path.join(TOOLS, "bench_scale.py"), "--preset", "llama-tiny", "--cpu-offload"],
-        capture_output=True,
-        text=True,
-    )
+    def refused(*options: str) -> str:
+        command = [sys.executable, os.path.join(TOOLS, "bench_scale.py"), "--preset", "llama-tiny", *options]
+        done = subprocess.run(command, capture_output=True, text=True)
+        assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stderr
+
+    assert "has 1 to 8 decoder layers" in refused("--layers", "99")
     # torch's FSDP1 and FSDP2 cannot offload on the CPU (FSDP1_FACTS): said before anything runs, with the way out.
-    assert offload.returncode == 2 and "torch_fsdp1 and fsdp2 cannot offload" in offload.stderr
-    assert "use --impls ours or --device cuda" in offload.stderr
+    offload = refused("--cpu-offload")
+    assert "torch_fsdp1 and fsdp2 cannot offload" in offload and "use --impls ours or --device cuda" in offload
+    # The fake group's object collectives carry this rank's objects only: said, with what does run.
+    assert "run --checkpoint on rank 0 with flat parameters" in refused("--checkpoint", "full", "--use-orig-params")
+    assert "run --checkpoint on rank 0 with flat parameters" in refused("--checkpoint", "sharded", "--rank", "1")

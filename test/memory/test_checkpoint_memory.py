@@ -1,0 +1,120 @@
+"""Memory of taking a checkpoint (`model.state_dict()`, `FSDP.optim_state_dict`), the moment frameworks add to every
+save: beside what the returned dict holds, a rank holds at most one unit's parameters or one of its optimizer states
+whole (a gather buffer) and its local shard, since each parameter's value is cut out of it before the next gather.
+Measured on the transformer of test_memory.py after a step of AdamW (two states per parameter) and zero_grad(), ours
+beside torch's FSDP1 on the same ranks."""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictType,
+)
+
+import repo_paths
+
+sys.path.insert(0, str(repo_paths.TOOLS))
+from test_memory import CFG, WORLD, Sizes, loss_of, mib
+
+from fsdp_legacy import FullyShardedDataParallel as FSDP
+from fsdp_legacy.memory import MemoryTracker
+from fsdp_legacy.wrap import ModuleWrapPolicy
+from gpt import GPT, Block
+from harness import run_on_ranks
+
+SCALARS = 4096  # 0-d states (AdamW's steps) and the state names exchanged between ranks
+
+
+def _held_bytes(value: object) -> int:
+    """Bytes of the distinct storages a (nested) state dict holds on this rank: ShardedTensors' and DTensors' local
+    pieces."""
+    storages: dict[int, int] = {}
+
+    def visit(item: object) -> None:
+        if isinstance(item, dict):
+            for v in item.values():
+                visit(v)
+        elif isinstance(item, list | tuple):
+            for v in item:
+                visit(v)
+        elif hasattr(item, "local_shards"):
+            for shard in item.local_shards():
+                visit(shard.tensor)
+        elif hasattr(item, "to_local"):
+            visit(item.to_local())
+        elif isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    visit(value)
+    return sum(storages.values())
+
+
+def _configs(full: bool) -> tuple[StateDictType, object, object]:
+    if full:  # what Accelerate and Lightning save with (offload_to_cpu on a CPU run is torch's CPU bug: left off)
+        return (
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        )
+    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+
+
+def _save(impl: str, what: str, full: bool, use_orig_params: bool) -> tuple[int, int]:
+    """(the peak beyond what was live before, the bytes of the returned dict) of one `what` ("model": state_dict(),
+    "optim": optim_state_dict()) on this rank, after a step of AdamW and zero_grad()."""
+    if impl == "ours":
+        wrapper: type[nn.Module] = FSDP
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as wrapper  # the oracle
+    torch.manual_seed(0)
+    with MemoryTracker() as tracker:
+        model = wrapper(
+            GPT(CFG),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=use_orig_params,
+            device_id=torch.device("cpu"),
+        )
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        loss_of(model, 0).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        with wrapper.state_dict_type(model, *_configs(full)):  # type: ignore[attr-defined]
+            before = tracker.current().total
+            tracker.reset_peak()
+            if what == "model":
+                saved = model.state_dict()
+            else:
+                saved = wrapper.optim_state_dict(model, optim)  # type: ignore[attr-defined]
+            peak = tracker.peak() - before
+    return peak, _held_bytes(saved)
+
+
+def _both(what: str, full: bool, use_orig_params: bool) -> dict[str, tuple[int, int]]:
+    return {impl: _save(impl, what, full, use_orig_params) for impl in ("ours", "torch")}
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig_params"])
+@pytest.mark.parametrize("full", [True, False], ids=["full_rank0_only", "sharded"])
+@pytest.mark.parametrize("what", ["model", "optim"])
+def test_saving_gathers_one_state_of_one_unit_at_a_time(what: str, full: bool, use_orig_params: bool) -> None:
+    """The formula: the dict, plus one block whole and its shard. Gathering every optimizer state of a unit at once (as
+    ours did) breaks it by a block's state (3 MiB of 17). Beside torch's FSDP1: ours holds no more, and with
+    use_orig_params frees the sharded gradients that zero_grad() left to the next forward before gathering, as torch
+    does (ours kept them, up to 4.9 MiB more than torch here). The one exception is rank 0 of a FULL optimizer state dict
+    without offload_to_cpu, where torch returns views of its gather buffers and so needs no transient; ours copies each
+    state out (a tensor of the dict never keeps a whole unit's buffer alive, and saves alone), within the formula."""
+    s = Sizes.of(WORLD, 4)
+    for rank, observed in enumerate(run_on_ranks(_both, WORLD, what, full, use_orig_params)):
+        (ours, ours_held), (torch_peak, torch_held) = observed["ours"], observed["torch"]
+        bound = ours_held + s.block + s.block_shard + SCALARS
+        assert ours <= bound, f"rank {rank}: {mib(ours)} > {mib(bound)} (dict {mib(ours_held)})"
+        assert abs(ours_held - torch_held) <= 4096, f"rank {rank}: dict {mib(ours_held)} vs torch {mib(torch_held)}"
+        if what == "model" or not full or rank != 0:
+            assert ours <= torch_peak, f"rank {rank}: {mib(ours)} > torch FSDP1's {mib(torch_peak)}"
