@@ -38,6 +38,14 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     return _all_gather_single(output, shard, group=group, async_op=True)
 
 
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group: dist.ProcessGroup
+) -> Waitable:
+    """Send `input_sizes[r]` elements of 1-D `input` (in order) to each rank r; receive `output_sizes[s]` from each rank
+    s into `output`, in rank order."""
+    return dist.all_to_all_single(output, input, output_sizes, input_sizes, group=group, async_op=True)
+
+
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> Waitable:
     """Sum `full` (world_size * output.numel() elements) across ranks; rank r keeps chunk r in `output`.
 

@@ -1,11 +1,12 @@
 """SHARDED model and optimizer state dicts built away from training: copied in the call, built in a background save.
 
-What FSDP1's SHARDED state dicts cost in the call is their gathers: every unit is all-gathered to cut each parameter
-(and each optimizer state) into per-rank dim-0 chunks. A background save instead copies this rank's flat shards, its
-buffers and its optimizer's state (memory copies), and builds the same dicts in its own thread, gathering the copies
-over its own group. The result equals `model.state_dict()` and `FSDP.optim_state_dict()` under SHARDED_STATE_DICT
-at the moment of the copy (test_async_save.py). Models this does not cover (NO_SHARD units, DTensor state dicts, a
-unit sharded over fewer than every rank) make `capture` return None, and the caller builds the dicts in the call.
+What FSDP1's SHARDED state dicts cost in the call is their communication: each parameter (and each optimizer state)
+is cut into per-rank dim-0 chunks, which other ranks' shards hold. A background save instead copies this rank's flat
+shards, its buffers and its optimizer's state (memory copies), and builds the same dicts in its own thread,
+exchanging the copies' chunks over its own group. The result equals `model.state_dict()` and
+`FSDP.optim_state_dict()` under SHARDED_STATE_DICT at the moment of the copy (test_async_save.py). Models this does
+not cover (NO_SHARD units, DTensor state dicts, a unit sharded over fewer than every rank) make `capture` return
+None, and the caller builds the dicts in the call.
 """
 
 from collections.abc import Callable
@@ -18,11 +19,13 @@ from torch import nn
 
 from .. import collectives as comm
 from ..api import ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictType
+from ..flat_param import ParamInfo
 from ..handle import FlatParamHandle
 from ..unit import FSDPUnit
+from .chunk_exchange import ChunkPlan, can_exchange, chunk_rows, exchange_chunks
 from .hf_checkpoint import SaveSources, ShardCopy, collect_for_save, copy_sources
 from .optim_state import OptimSavePlan, build_optim_state, plan_optim_save
-from .state_dict import chunk_sharded_tensor
+from .state_dict import chunk_sharded_tensor, sharded_tensor_of_chunk
 from .state_dict_dtensor import uses_dtensor
 
 
@@ -72,18 +75,32 @@ def _model_state(captured: CapturedState, group: dist.ProcessGroup) -> dict[str,
     entries = captured.model.entries
     for index, (handle, copy) in enumerate(zip(captured.handles, captured.model.handles, strict=True)):
         assert isinstance(copy, ShardCopy)
-        full = torch.empty(handle.layout.padded_numel, dtype=copy.local_shard.dtype)
-        comm.all_gather(full, copy.local_shard, group).wait()
+        values = _chunked(handle, copy.local_shard, group)
         for entry in entries:
             if entry.unit == index and entry.info is not None:
-                param = entry.info.view_in(full)
-                value = chunk_sharded_tensor(param, handle, offload_to_cpu=False)
-                state.update((key, value) for key in (entry.key, *entry.aliases))
+                state.update((key, values[entry.info]) for key in (entry.key, *entry.aliases))
     for entry in entries:
         if entry.tensor is not None:
             whole = entry.tensor.to(entry.dtype)  # a buffer kept in MixedPrecision's buffer_dtype: saved in its own
             state.update((key, whole) for key in (entry.key, *entry.aliases))
     return state
+
+
+def _chunked(handle: FlatParamHandle, local: torch.Tensor, group: dist.ProcessGroup) -> dict[ParamInfo, Any]:
+    """Each parameter's ShardedTensor from the ranks' copies of their shards: dim-0 chunks exchanged
+    (chunk_exchange.py), or cut from the unit gathered whole where a parameter is held in memory order."""
+    if can_exchange(handle.layout):
+        chunks = exchange_chunks(ChunkPlan.of(handle.layout, handle.rank), local, group, offload_to_cpu=False)
+        rows = {info: chunk_rows(info.shape[0], handle.world_size) for info in handle.layout.params}
+        return {
+            info: sharded_tensor_of_chunk(chunks.get(info), info.shape, local.dtype, rows[info], handle)
+            for info in handle.layout.params
+        }
+    full = torch.empty(handle.layout.padded_numel, dtype=local.dtype)
+    comm.all_gather(full, local, group).wait()
+    return {
+        info: chunk_sharded_tensor(info.view_in(full), handle, offload_to_cpu=False) for info in handle.layout.params
+    }
 
 
 def _copy_tree(value: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:

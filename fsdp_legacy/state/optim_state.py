@@ -31,7 +31,7 @@ from .dcp_load_hook import install as install_dcp_load_hook
 from .fresh_optim import Refill, note_returned
 from .optim_entries import Entry, copy_scalar, entries_by_param, is_scalar, param_entries
 from .optim_state_named import by_param_ids, keyed_by_name
-from .state_dict import chunk_sharded_tensor, detached_copy, get_state_dict_type
+from .state_dict import chunk_sharded_tensor, detached_copy, exchanges_chunks, get_state_dict_type, sharded_chunks
 from .state_dict_dtensor import chunk_dtensor, uses_dtensor
 
 
@@ -291,26 +291,34 @@ def _save_unit(
     """{fqn: {state name: saved value}} of the unit's parameters that have state anywhere (`specs`), in torch's order;
     a scalar is this rank's own where it has one, else another rank's.
 
-    One state is gathered at a time, and each parameter's value is cut out of it before the next gather: the unit's
-    states are never all whole at once (AdamW's two would be twice the unit's unsharded size beside the saved
-    copies)."""
+    One state at a time: its SHARDED chunks are exchanged (chunk_exchange.py: a rank holds its shard and its chunks),
+    or it is gathered whole and each parameter's value cut out of it before the next gather. The unit's states are
+    never all whole at once (AdamW's two would be twice the unit's unsharded size beside the saved copies)."""
     group = handle.group if unit_groups is None else unit_groups[handle.group]
     device = handle.local_shard.device if unit_groups is None else torch.device("cpu")
     names = {name: spec[1] for _, fqn in infos for name, spec in specs.get(fqn, {}).items() if spec[0]}
+    exchange = not save_as.full and exchanges_chunks(unit, handle, save_as.config)
     tensors: dict[str, dict[str, Any]] = {fqn: {} for fqn in specs}
     for name, dtype in names.items():
-        whole = _gather_state(
-            handle, infos, [local_by_fqn.get(fqn, {}).get(name) for _, fqn in infos], dtype, group, device
-        )
-        if save_as.keep:
-            for info, fqn in infos:
-                if name in tensors.get(fqn, {}) or name not in specs.get(fqn, {}):
-                    continue
+        values = [local_by_fqn.get(fqn, {}).get(name) for _, fqn in infos]
+        local, owned = _local_state(handle, infos, values, dtype, device)
+        wanted = [(info, fqn) for info, fqn in infos if name in specs.get(fqn, {})]
+        if exchange:
+            chunks = dict(sharded_chunks(unit, handle, local, group, save_as.config, local_owned=owned))
+            for info, fqn in wanted:
+                tensors[fqn][name] = chunks[info]
+        else:
+            whole = local
+            if handle.sharded:
+                whole = torch.empty(handle.layout.padded_numel, dtype=dtype, device=local.device)
+                comm.all_gather(whole, local, group).wait()
+            for info, fqn in wanted if save_as.keep else []:
                 record = handle.dtensors.get(info)
                 tensors[fqn][name] = _save_value(info.view_in(whole), unit, handle, save_as, record)
-        if handle.sharded:  # now, and not when the backend drops its work object (gloo's may outlive wait())
-            free_storage(whole)
-        del whole
+            if handle.sharded:  # now, and not when the backend drops its work object (gloo's may outlive wait())
+                free_storage(whole)
+        if owned:  # (the exchange has released it already)
+            free_storage(local)
     if not save_as.keep:
         return {}
     return {
@@ -324,45 +332,37 @@ def _save_unit(
     }
 
 
-def _gather_state(
+def _local_state(
     handle: FlatParamHandle,
     infos: list[tuple[ParamInfo, str]],
     values: list[torch.Tensor | None],
     dtype: torch.dtype,
-    group: dist.ProcessGroup,
     device: torch.device,
-) -> torch.Tensor:
-    """One state of the unit, laid out as its flat parameter (padded, when sharded), from this rank's `values` (one
-    per info: the original parameters' pieces with use_orig_params, the flat shard's state without)."""
+) -> tuple[torch.Tensor, bool]:
+    """This rank's part of one state of the unit, laid out as its flat parameter's (its shard, or its whole when not
+    sharded), from `values` (one per info: the original parameters' pieces with use_orig_params, the flat shard's
+    state without); and whether it is a new tensor (else the optimizer's own, which the caller must leave alone)."""
     flat_state = next((v for v in values if v is not None), None) if not handle.use_orig_params else None
-    flat_state_ptr = flat_state.untyped_storage().data_ptr() if flat_state is not None else None
     if (
         handle.sharded
         and flat_state is not None
         and (flat_state.dtype, flat_state.device, flat_state.numel()) == (dtype, device, handle.local_shard.numel())
     ):
-        local = flat_state.reshape(-1)  # the flat parameter's state is this rank's whole shard: gathered as it is
-    else:
-        local = torch.zeros(handle.local_shard.numel(), dtype=dtype, device=device)
-        pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
-        for (info, _), value in zip(infos, values, strict=True):
-            if value is None:
-                continue
-            if not handle.use_orig_params:
-                local.copy_(value.reshape(-1))
-                break
-            if not handle.sharded:
-                local[info.offset : info.offset + info.numel].copy_(info.flatten(value))
-            elif info in pieces:
-                piece = pieces[info]
-                local[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard].copy_(value.reshape(-1))
-    if not handle.sharded:
-        return local
-    whole = torch.empty(handle.layout.padded_numel, dtype=dtype, device=local.device)
-    comm.all_gather(whole, local, group).wait()
-    if local.untyped_storage().data_ptr() != flat_state_ptr:
-        free_storage(local)
-    return whole
+        return flat_state.reshape(-1), False  # the flat parameter's state is this rank's whole shard, as it is
+    local = torch.zeros(handle.local_shard.numel(), dtype=dtype, device=device)
+    pieces = {p.info: p for p in handle.layout.shard_pieces(handle.rank)} if handle.sharded else {}
+    for (info, _), value in zip(infos, values, strict=True):
+        if value is None:
+            continue
+        if not handle.use_orig_params:
+            local.copy_(value.reshape(-1))
+            break
+        if not handle.sharded:
+            local[info.offset : info.offset + info.numel].copy_(info.flatten(value))
+        elif info in pieces:
+            piece = pieces[info]
+            local[piece.offset_in_shard : piece.offset_in_shard + piece.numel_in_shard].copy_(value.reshape(-1))
+    return local, True
 
 
 def _in_torch_order(specs: dict[str, Any], handle: FlatParamHandle) -> list[tuple[str, Any]]:

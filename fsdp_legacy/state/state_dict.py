@@ -31,6 +31,7 @@ from ..api import (
     FullStateDictConfig,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
+    OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
@@ -45,8 +46,16 @@ from ..naming import CHECKPOINT_WRAPPED_MODULE, join_fqn
 from ..storage import free_storage
 from ..unit import FSDPUnit, clean_fqn, fsdp_modules
 from . import save_identity
+from .chunk_exchange import ChunkPlan, can_exchange, chunk_rows, exchange_chunks
 from .sharded_tensor_compat import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata, TensorProperties
-from .state_dict_dtensor import check_model_settings, check_optim_settings, chunk_dtensor, uses_dtensor
+from .state_dict_dtensor import (
+    check_model_settings,
+    check_optim_settings,
+    chunk_dtensor,
+    chunks_on_own_mesh,
+    dtensor_of_chunk,
+    uses_dtensor,
+)
 
 _CONFIG_TYPES = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -312,6 +321,11 @@ def _unsharded_values(
     """FULL: a cloned full tensor per parameter reference; SHARDED: its dim-0 chunk as a ShardedTensor/DTensor.
     Ranks that keep nothing (rank0_only) still take part in the gather and get None values."""
     values: dict[str, Any] = {}
+    if kind == StateDictType.SHARDED_STATE_DICT and exchanges_chunks(unit, handle, config):
+        chunks = sharded_chunks(unit, handle, handle.local_shard, handle.group, config)
+        for (key, _, _, _), (_, value) in zip(managed_keys(handle), chunks, strict=True):
+            values[key] = value
+        return values
     with _gathered(handle) as full:
         for key, _, _, info in managed_keys(handle):
             if not keep:
@@ -405,12 +419,57 @@ def chunk_sharded_tensor(param: torch.Tensor, handle: FlatParamHandle, offload_t
     number of chunks hold nothing and have no metadata entry. A parameter held in memory order (a transpose,
     channels_last) gives row-major chunks, which ShardedTensor requires (torch's raises its ValueError there)."""
     chunks = param.chunk(handle.world_size)
-    geometry, offset = [], 0
-    for r, chunk in enumerate(chunks):
-        geometry.append((r, [offset] + [0] * (param.dim() - 1), list(chunk.shape)))
-        offset += chunk.shape[0]
     local = detached_copy(chunks[handle.rank], offload_to_cpu).contiguous() if handle.rank < len(chunks) else None
-    return _sharded_tensor(handle, param.shape, param.dtype, local, geometry)
+    return sharded_tensor_of_chunk(local, param.shape, param.dtype, [chunk.shape[0] for chunk in chunks], handle)
+
+
+def exchanges_chunks(unit: FSDPUnit, handle: FlatParamHandle, config: StateDictConfig | OptimStateDictConfig) -> bool:
+    """Whether a SHARDED value of the unit's parameters (or states) is built by exchanging dim-0 chunks
+    (chunk_exchange.py) rather than by gathering the unit whole: ShardedTensors of row-major parameters."""
+    if not handle.sharded or handle.dtensors or not can_exchange(handle.layout):
+        return False
+    return not uses_dtensor(unit, config) or chunks_on_own_mesh(unit)
+
+
+def sharded_chunks(
+    unit: FSDPUnit,
+    handle: FlatParamHandle,
+    local: torch.Tensor,
+    group: dist.ProcessGroup,
+    config: StateDictConfig | OptimStateDictConfig,
+    local_owned: bool = False,
+) -> Iterator[tuple[ParamInfo, Any]]:
+    """(the parameter, this rank's SHARDED value of it: a ShardedTensor or a DTensor) of each reference to the unit's
+    parameters (tied ones too, each with a tensor of its own, as gathered values have), from every rank's `local`
+    shard of a flat tensor (the flat parameter or one of its optimizer states), by one exchange of dim-0 chunks."""
+    dtensors = uses_dtensor(unit, config)
+    plan = ChunkPlan.of(handle.layout, handle.rank)
+    chunks = exchange_chunks(plan, local, group, config.offload_to_cpu and not dtensors, local_owned)
+    taken: set[ParamInfo] = set()
+    for _, _, _, info in managed_keys(handle):
+        piece = chunks.get(info)
+        if piece is not None and info in taken:
+            piece = piece.clone()
+        taken.add(info)
+        if dtensors:
+            piece = piece if piece is not None else local.new_empty((0, *info.shape[1:]))
+            stride = torch.empty(info.shape, device="meta").stride()
+            yield info, dtensor_of_chunk(piece, info.shape, stride, unit, config.offload_to_cpu)
+        else:
+            rows = chunk_rows(info.shape[0], handle.world_size)
+            yield info, sharded_tensor_of_chunk(piece, info.shape, local.dtype, rows, handle)
+
+
+def sharded_tensor_of_chunk(
+    local: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype, chunk_rows: list[int], handle: FlatParamHandle
+) -> ShardedTensor:
+    """The SHARDED value of a parameter (or a state of its shape) of which this rank holds the dim-0 chunk `local`
+    (None past the number of chunks); `chunk_rows`: every chunk's number of rows, in rank order."""
+    geometry, offset = [], 0
+    for r, rows in enumerate(chunk_rows):
+        geometry.append((r, [offset] + [0] * (len(shape) - 1), [rows, *shape[1:]]))
+        offset += rows
+    return _sharded_tensor(handle, shape, dtype, local, geometry)
 
 
 def local_geometry(handle: FlatParamHandle) -> tuple[int, int, int]:

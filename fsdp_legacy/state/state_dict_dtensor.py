@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..api import StateDictSettings, StateDictType
-from ..tensor_parallel import DTensorParam, sharded_dtensor
+from ..tensor_parallel import DTensorParam, root_mesh, sharded_dtensor
 from ..unit import FSDPUnit
 from . import sharded_tensor_compat
 
@@ -86,12 +86,27 @@ def chunk_dtensor(
 ) -> torch.Tensor:
     """`param` (the whole parameter, or a state of its shape; a DTensor parameter's local piece, of which `record`
     tells the rest) as its dim-0 chunks over the unit's mesh; built from the local chunk, without communication."""
-    mesh = state_dict_mesh(unit)
-    dtensor = sharded_dtensor(param, mesh, record)
+    dtensor = sharded_dtensor(param, state_dict_mesh(unit), record)
     if dtensor is None:
         chunks = param.chunk(unit.world_size)
         rank = unit.rank  # the rank in the shard group, which is the mesh's last dimension
         local = chunks[rank].detach().clone() if rank < len(chunks) else param.new_empty((0, *param.shape[1:]))
-        placements: list[Placement] = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-        dtensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
+        return dtensor_of_chunk(local, param.shape, param.stride(), unit, offload_to_cpu)
+    return dtensor.cpu() if offload_to_cpu and dtensor.device.type != "cpu" else dtensor
+
+
+def chunks_on_own_mesh(unit: FSDPUnit) -> bool:
+    """Whether the unit's DTensor values are its parameters' dim-0 chunks alone (FSDP's mesh is not sliced from a
+    tensor-parallel one, whose placements they would carry)."""
+    return root_mesh(state_dict_mesh(unit)) is None
+
+
+def dtensor_of_chunk(
+    local: torch.Tensor, shape: torch.Size, stride: tuple[int, ...], unit: FSDPUnit, offload_to_cpu: bool
+) -> torch.Tensor:
+    """The SHARDED value of a parameter (or a state of its shape) of which this rank holds the dim-0 chunk `local`
+    (an empty piece past the number of chunks)."""
+    mesh = state_dict_mesh(unit)
+    placements: list[Placement] = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    dtensor = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
     return dtensor.cpu() if offload_to_cpu and dtensor.device.type != "cpu" else dtensor

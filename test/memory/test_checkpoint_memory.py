@@ -27,33 +27,20 @@ from fsdp_legacy.memory import MemoryTracker
 from fsdp_legacy.wrap import ModuleWrapPolicy
 from gpt import GPT, Block
 from harness import run_on_ranks
+from scale_rig import state_dict_nbytes
 
 SCALARS = 4096  # 0-d states (AdamW's steps) and the state names exchanged between ranks
 
 
-def _held_bytes(value: object) -> int:
-    """Bytes of the distinct storages a (nested) state dict holds on this rank: ShardedTensors' and DTensors' local
-    pieces."""
-    storages: dict[int, int] = {}
-
-    def visit(item: object) -> None:
-        if isinstance(item, dict):
-            for v in item.values():
-                visit(v)
-        elif isinstance(item, list | tuple):
-            for v in item:
-                visit(v)
-        elif hasattr(item, "local_shards"):
-            for shard in item.local_shards():
-                visit(shard.tensor)
-        elif hasattr(item, "to_local"):
-            visit(item.to_local())
-        elif isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-
-    visit(value)
-    return sum(storages.values())
+def _local_values(value: object, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor a (nested) state dict holds on this rank, by path: ShardedTensors' and DTensors' local pieces."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _local_values(item, f"{path}/{key}").items()}
+    if hasattr(value, "local_shards"):
+        return {f"{path}#{i}": shard.tensor for i, shard in enumerate(value.local_shards())}
+    if hasattr(value, "to_local"):
+        return {path: value.to_local()}
+    return {path: value} if isinstance(value, torch.Tensor) else {}
 
 
 def _configs(full: bool) -> tuple[StateDictType, object, object]:
@@ -66,9 +53,9 @@ def _configs(full: bool) -> tuple[StateDictType, object, object]:
     return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
 
 
-def _save(impl: str, what: str, full: bool, use_orig_params: bool) -> tuple[int, int]:
-    """(the peak beyond what was live before, the bytes of the returned dict) of one `what` ("model": state_dict(),
-    "optim": optim_state_dict()) on this rank, after a step of AdamW and zero_grad()."""
+def _save(impl: str, what: str, full: bool, use_orig_params: bool) -> tuple[int, int, dict[str, torch.Tensor]]:
+    """(the peak beyond what was live before, the bytes of the returned dict, its local values) of one `what`
+    ("model": state_dict(), "optim": optim_state_dict()) on this rank, after a step of AdamW and zero_grad()."""
     if impl == "ours":
         wrapper: type[nn.Module] = FSDP
     else:
@@ -93,10 +80,10 @@ def _save(impl: str, what: str, full: bool, use_orig_params: bool) -> tuple[int,
             else:
                 saved = wrapper.optim_state_dict(model, optim)  # type: ignore[attr-defined]
             peak = tracker.peak() - before
-    return peak, _held_bytes(saved)
+    return peak, state_dict_nbytes(saved), _local_values(saved)
 
 
-def _both(what: str, full: bool, use_orig_params: bool) -> dict[str, tuple[int, int]]:
+def _both(what: str, full: bool, use_orig_params: bool) -> dict[str, tuple[int, int, dict[str, torch.Tensor]]]:
     return {impl: _save(impl, what, full, use_orig_params) for impl in ("ours", "torch")}
 
 
@@ -107,14 +94,35 @@ def test_saving_gathers_one_state_of_one_unit_at_a_time(what: str, full: bool, u
     """The formula: the dict, plus one block whole and its shard. Gathering every optimizer state of a unit at once (as
     ours did) breaks it by a block's state (3 MiB of 17). Beside torch's FSDP1: ours holds no more, and with
     use_orig_params frees the sharded gradients that zero_grad() left to the next forward before gathering, as torch
-    does (ours kept them, up to 4.9 MiB more than torch here). The one exception is rank 0 of a FULL optimizer state dict
-    without offload_to_cpu, where torch returns views of its gather buffers and so needs no transient; ours copies each
-    state out (a tensor of the dict never keeps a whole unit's buffer alive, and saves alone), within the formula."""
+    does (ours kept them, up to 4.9 MiB more than torch here). The one exception is rank 0 of a FULL optimizer state
+    dict without offload_to_cpu, where torch returns views of its gather buffers and so needs no transient; ours
+    copies each state out (a tensor of the dict never keeps a whole unit's buffer alive, and saves alone), within the
+    formula."""
     s = Sizes.of(WORLD, 4)
     for rank, observed in enumerate(run_on_ranks(_both, WORLD, what, full, use_orig_params)):
-        (ours, ours_held), (torch_peak, torch_held) = observed["ours"], observed["torch"]
+        (ours, ours_held, values), (torch_peak, torch_held, torch_values) = observed["ours"], observed["torch"]
+        assert values.keys() == torch_values.keys()
+        for key, value in values.items():
+            assert torch.equal(value, torch_values[key]), f"rank {rank}: {key} differs from torch's"
         bound = ours_held + s.block + s.block_shard + SCALARS
         assert ours <= bound, f"rank {rank}: {mib(ours)} > {mib(bound)} (dict {mib(ours_held)})"
         assert abs(ours_held - torch_held) <= 4096, f"rank {rank}: dict {mib(ours_held)} vs torch {mib(torch_held)}"
         if what == "model" or not full or rank != 0:
             assert ours <= torch_peak, f"rank {rank}: {mib(ours)} > torch FSDP1's {mib(torch_peak)}"
+
+
+def _sharded_on_four(what: str, use_orig_params: bool) -> tuple[int, int]:
+    peak, held, _ = _save("ours", what, False, use_orig_params)
+    return peak, held
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig_params"])
+@pytest.mark.parametrize("what", ["model", "optim"])
+def test_sharded_save_holds_two_shards_beside_the_dict(what: str, use_orig_params: bool) -> None:
+    """SHARDED values are dim-0 chunks, which the ranks exchange (each element of a shard goes to the one rank whose
+    chunk holds it) rather than gather: beside the dict a rank holds two shards of one unit, where a gather holds the
+    unit whole (4 shards at 4 ranks; the values equal torch's, above)."""
+    s = Sizes.of(4, 4)
+    for rank, (peak, held) in enumerate(run_on_ranks(_sharded_on_four, 4, what, use_orig_params)):
+        bound = held + 2 * s.block_shard + SCALARS
+        assert peak <= bound, f"rank {rank}: {mib(peak)} > {mib(bound)} (dict {mib(held)})"
