@@ -53,7 +53,10 @@ def _configs(full: bool) -> tuple[StateDictType, object, object]:
     return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
 
 
-def _save(impl: str, what: str, full: bool, use_orig_params: bool) -> tuple[int, int, dict[str, torch.Tensor]]:
+Saved = tuple[int, int, dict[str, torch.Tensor]]
+
+
+def _save(impl: str, what: str, full: bool, use_orig_params: bool, settled: bool = False) -> Saved:
     """(the peak beyond what was live before, the bytes of the returned dict, its local values) of one `what`
     ("model": state_dict(), "optim": optim_state_dict()) on this rank, after a step of AdamW and zero_grad()."""
     if impl == "ours":
@@ -72,6 +75,9 @@ def _save(impl: str, what: str, full: bool, use_orig_params: bool) -> tuple[int,
         loss_of(model, 0).backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
+        if settled:  # the next forward frees what zero_grad() dropped (use_orig_params: the sharded gradients)
+            with torch.no_grad():
+                loss_of(model, 1)
         with wrapper.state_dict_type(model, *_configs(full)):  # type: ignore[attr-defined]
             before = tracker.current().total
             tracker.reset_peak()
@@ -83,8 +89,8 @@ def _save(impl: str, what: str, full: bool, use_orig_params: bool) -> tuple[int,
     return peak, state_dict_nbytes(saved), _local_values(saved)
 
 
-def _both(what: str, full: bool, use_orig_params: bool) -> dict[str, tuple[int, int, dict[str, torch.Tensor]]]:
-    return {impl: _save(impl, what, full, use_orig_params) for impl in ("ours", "torch")}
+def _both(what: str, full: bool, use_orig_params: bool, settled: bool = False) -> dict[str, Saved]:
+    return {impl: _save(impl, what, full, use_orig_params, settled) for impl in ("ours", "torch")}
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig_params"])
@@ -111,18 +117,18 @@ def test_saving_gathers_one_state_of_one_unit_at_a_time(what: str, full: bool, u
             assert ours <= torch_peak, f"rank {rank}: {mib(ours)} > torch FSDP1's {mib(torch_peak)}"
 
 
-def _sharded_on_four(what: str, use_orig_params: bool) -> tuple[int, int]:
-    peak, held, _ = _save("ours", what, False, use_orig_params)
-    return peak, held
-
-
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig_params"])
 @pytest.mark.parametrize("what", ["model", "optim"])
 def test_sharded_save_holds_two_shards_beside_the_dict(what: str, use_orig_params: bool) -> None:
     """SHARDED values are dim-0 chunks, which the ranks exchange (each element of a shard goes to the one rank whose
     chunk holds it) rather than gather: beside the dict a rank holds two shards of one unit, where a gather holds the
-    unit whole (4 shards at 4 ranks; the values equal torch's, above)."""
+    unit whole (4 shards at 4 ranks). The values equal torch's FSDP1's, whose shards split chunks differently here.
+    Measured after a forward, so that no gradient freed by the save makes room for it."""
     s = Sizes.of(4, 4)
-    for rank, (peak, held) in enumerate(run_on_ranks(_sharded_on_four, 4, what, use_orig_params)):
+    for rank, observed in enumerate(run_on_ranks(_both, 4, what, False, use_orig_params, True)):
+        (peak, held, values), (_, _, torch_values) = observed["ours"], observed["torch"]
+        assert values.keys() == torch_values.keys()
+        for key, value in values.items():
+            assert torch.equal(value, torch_values[key]), f"rank {rank}: {key} differs from torch's"
         bound = held + 2 * s.block_shard + SCALARS
         assert peak <= bound, f"rank {rank}: {mib(peak)} > {mib(bound)} (dict {mib(held)})"
