@@ -191,7 +191,6 @@ def effective_settings(unit: FSDPUnit) -> tuple[StateDictType, StateDictConfig]:
 # Saving
 
 
-@torch.no_grad()
 def _pre_state_dict_hook(unit: FSDPUnit, prefix: str, keep_vars: bool) -> None:
     # use_orig_params: after zero_grad(set_to_none=True) the sharded gradients of the whole subtree are freed before
     # its first gather, as torch's FSDP1 frees them at the root (else the next forward would); nested units then find
@@ -201,6 +200,7 @@ def _pre_state_dict_hook(unit: FSDPUnit, prefix: str, keep_vars: bool) -> None:
             handle.sync_grad_from_orig_params()
 
 
+@torch.no_grad()
 def _post_state_dict_hook(unit: FSDPUnit, destination: dict, prefix: str, local_metadata: Any) -> None:
     kind, config = effective_settings(unit)
     # The unit's entries are the last ones saved (its whole subtree); take them out and put them back rewritten.
@@ -424,8 +424,9 @@ def chunk_sharded_tensor(param: torch.Tensor, handle: FlatParamHandle, offload_t
 
 
 def exchanges_chunks(unit: FSDPUnit, handle: FlatParamHandle, config: StateDictConfig | OptimStateDictConfig) -> bool:
-    """Whether a SHARDED value of the unit's parameters (or states) is built by exchanging dim-0 chunks
-    (chunk_exchange.py) rather than by gathering the unit whole: ShardedTensors of row-major parameters."""
+    """Whether the SHARDED values of the unit's parameters (or states) are built by exchanging dim-0 chunks
+    (chunk_exchange.py) rather than by gathering the unit whole: row-major parameters, ShardedTensors or DTensors on
+    FSDP's own mesh (not tensor parallelism's)."""
     if not handle.sharded or handle.dtensors or not can_exchange(handle.layout):
         return False
     return not uses_dtensor(unit, config) or chunks_on_own_mesh(unit)
