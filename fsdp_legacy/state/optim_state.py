@@ -3,10 +3,10 @@ optim_state_loading.py, and what each optimizer parameter stands for, optim_entr
 
 The optimizer sees flat-parameter shards (use_orig_params=False: one 1-D state per unit) or 1-D pieces of the
 original parameters (use_orig_params=True; none on a rank that holds no element). Checkpoints instead name every
-original parameter by its clean FQN. Per unit and state name: assemble this rank's shard of the flat state,
-all-gather it, cut out each original parameter (FULL: a copy of the original shape; SHARDED/LOCAL: its dim-0 chunk
-as a ShardedTensor or DTensor, the layout of the SHARDED model state dict). 0-d states (`step`) and non-tensors are
-copied, never gathered.
+original parameter by its clean FQN. Per unit and state name, one at a time: assemble this rank's shard of the flat
+state, then either exchange dim-0 chunks (SHARDED/LOCAL: each parameter's chunk as a ShardedTensor or DTensor, the
+layout of the SHARDED model state dict; chunk_exchange.py) or all-gather it and cut out each original parameter
+(FULL: a copy of the original shape). 0-d states (`step`) and non-tensors are copied, never gathered.
 """
 
 from dataclasses import dataclass
