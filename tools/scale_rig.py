@@ -238,6 +238,18 @@ def take_checkpoint(cfg: RigConfig, model: torch.nn.Module, optimizer: torch.opt
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=offload))
+    if cfg.impl == "ours":
+        from fsdp_legacy import FullyShardedDataParallel as wrapper
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as wrapper  # type: ignore[assignment]
+    configs = fsdp1_save_configs(full, offload)
+    with wrapper.state_dict_type(model, *configs):
+        return model.state_dict(), wrapper.optim_state_dict(model, optimizer)
+
+
+def fsdp1_save_configs(full: bool, offload_to_cpu: bool) -> tuple[Any, ...]:
+    """FSDP1's (state_dict_type, model config, optimizer config) of a checkpoint as frameworks take it: FULL with
+    rank0_only, or SHARDED."""
     from torch.distributed.fsdp import (
         FullOptimStateDictConfig,
         FullStateDictConfig,
@@ -246,44 +258,36 @@ def take_checkpoint(cfg: RigConfig, model: torch.nn.Module, optimizer: torch.opt
         StateDictType,
     )
 
-    if cfg.impl == "ours":
-        from fsdp_legacy import FullyShardedDataParallel as wrapper
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel as wrapper  # type: ignore[assignment]
     if full:
-        configs: tuple[Any, ...] = (
+        return (
             StateDictType.FULL_STATE_DICT,
-            FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
-            FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+            FullStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=True),
+            FullOptimStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=True),
         )
-    else:
-        configs = (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig())
-    with wrapper.state_dict_type(model, *configs):
-        return model.state_dict(), wrapper.optim_state_dict(model, optimizer)
+    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+
+
+def local_tensors(value: Any, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor a (nested) state dict holds on this rank, by path: ShardedTensors' and DTensors' local pieces."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in local_tensors(item, f"{path}/{key}").items()}
+    if isinstance(value, list | tuple):
+        return {k: v for i, item in enumerate(value) for k, v in local_tensors(item, f"{path}/{i}").items()}
+    if hasattr(value, "local_shards"):
+        return {f"{path}#{i}": shard.tensor for i, shard in enumerate(value.local_shards())}
+    if hasattr(value, "to_local"):
+        return {path: value.to_local()}
+    return {path: value} if isinstance(value, torch.Tensor) else {}
 
 
 def state_dict_nbytes(value: Any, device: str | None = None) -> int:
-    """Bytes of the distinct storages a (nested) state dict holds on this rank (on `device`, if given):
-    ShardedTensors' and DTensors' local pieces, a storage shared by several entries once."""
-    storages: dict[int, int] = {}
-
-    def visit(item: Any) -> None:
-        if isinstance(item, dict):
-            for v in item.values():
-                visit(v)
-        elif isinstance(item, list | tuple):
-            for v in item:
-                visit(v)
-        elif hasattr(item, "local_shards"):
-            for shard in item.local_shards():
-                visit(shard.tensor)
-        elif hasattr(item, "to_local"):
-            visit(item.to_local())
-        elif isinstance(item, torch.Tensor) and (device is None or item.device.type == device):
-            storage = item.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-
-    visit(value)
+    """Bytes of the distinct storages a (nested) state dict holds on this rank (on `device`, if given), a storage
+    shared by several entries once."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in local_tensors(value).values()
+        if device is None or t.device.type == device
+    }
     return sum(storages.values())
 
 

@@ -9,13 +9,6 @@ import sys
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import (
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    StateDictType,
-)
 
 import repo_paths
 
@@ -27,30 +20,9 @@ from fsdp_legacy.memory import MemoryTracker
 from fsdp_legacy.wrap import ModuleWrapPolicy
 from gpt import GPT, Block
 from harness import run_on_ranks
-from scale_rig import state_dict_nbytes
+from scale_rig import fsdp1_save_configs, local_tensors, state_dict_nbytes
 
 SCALARS = 4096  # 0-d states (AdamW's steps) and the state names exchanged between ranks
-
-
-def _local_values(value: object, path: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor a (nested) state dict holds on this rank, by path: ShardedTensors' and DTensors' local pieces."""
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in _local_values(item, f"{path}/{key}").items()}
-    if hasattr(value, "local_shards"):
-        return {f"{path}#{i}": shard.tensor for i, shard in enumerate(value.local_shards())}
-    if hasattr(value, "to_local"):
-        return {path: value.to_local()}
-    return {path: value} if isinstance(value, torch.Tensor) else {}
-
-
-def _configs(full: bool) -> tuple[StateDictType, object, object]:
-    if full:  # what Accelerate and Lightning save with (offload_to_cpu on a CPU run is torch's CPU bug: left off)
-        return (
-            StateDictType.FULL_STATE_DICT,
-            FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
-            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
-        )
-    return StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()
 
 
 Saved = tuple[int, int, dict[str, torch.Tensor]]
@@ -78,7 +50,8 @@ def _save(impl: str, what: str, full: bool, use_orig_params: bool, settled: bool
         if settled:  # the next forward frees what zero_grad() dropped (use_orig_params: the sharded gradients)
             with torch.no_grad():
                 loss_of(model, 1)
-        with wrapper.state_dict_type(model, *_configs(full)):  # type: ignore[attr-defined]
+        # offload_to_cpu=False: with it torch's FSDP1 fails on the CPU (FSDP1_FACTS)
+        with wrapper.state_dict_type(model, *fsdp1_save_configs(full, False)):  # type: ignore[attr-defined]
             before = tracker.current().total
             tracker.reset_peak()
             if what == "model":
@@ -86,7 +59,7 @@ def _save(impl: str, what: str, full: bool, use_orig_params: bool, settled: bool
             else:
                 saved = wrapper.optim_state_dict(model, optim)  # type: ignore[attr-defined]
             peak = tracker.peak() - before
-    return peak, state_dict_nbytes(saved), _local_values(saved)
+    return peak, state_dict_nbytes(saved), local_tensors(saved)
 
 
 def _both(what: str, full: bool, use_orig_params: bool, settled: bool = False) -> dict[str, Saved]:
