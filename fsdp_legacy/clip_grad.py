@@ -1,4 +1,15 @@
-"""clip_grad_norm_ over sharded gradients: the norm of the full (unsharded) gradients, without unsharding them."""
+"""clip_grad_norm_ over sharded gradients: the norm of the full (unsharded) gradients, without unsharding them.
+
+Without tensor parallelism the norm is computed as torch's FSDP1 computes it, operation for operation, so that the
+returned norm and the clipped gradients are equal to torch's bit for bit (a last-bit difference in the norm changes
+every clipped step after it): the gradients in the handles' order (each original parameter with use_orig_params,
+else the flat parameter), then the parameters no unit manages; per group the vector norm of the stacked per-gradient
+norms (fp32); the sharded group's norm raised to p, summed over the ranks, the replicated group's added, the root
+taken. A model whose units are all NO_SHARD is clipped by torch.nn.utils.clip_grad_norm_, as torch's FSDP1 does.
+With tensor-parallel DTensor parameters, torch's FSDP1 sums over the data-parallel ranks only (a norm that misses
+the other tensor-parallel ranks' pieces); ours sums those pieces over the tensor-parallel mesh too
+(docs/compatibility.md).
+"""
 
 import math
 import warnings
@@ -16,14 +27,89 @@ from .handle import FlatParamHandle
 def clip_grad_norm_(
     model: nn.Module, handles: list[FlatParamHandle], group: dist.ProcessGroup, max_norm: float, norm_type: float
 ) -> torch.Tensor:
-    """Scale every gradient of `model` so that the norm of all full gradients is at most `max_norm`.
-
-    Gradients of sharded units are partitioned across ranks, so their p-th powers (or maxima) are summed over the
-    group; replicated gradients (NO_SHARD units, ignored parameters) are counted once, locally. Pieces of DTensor
-    parameters sharded over a tensor-parallel mesh are summed over that mesh first (copies over it, Replicate, count
-    once), so the norm is the whole model's on every rank. Returns the total norm from before clipping.
-    """
+    """Scale every gradient of `model` so that the norm of all full gradients is at most `max_norm`; returns the
+    total norm from before clipping, in the widest dtype of the gradients."""
     norm_type = float(norm_type)
+    if any(_tp_groups(handle) for handle in handles):
+        return _clip_tensor_parallel(model, handles, group, float(max_norm), norm_type)
+    if not any(handle.sharded for handle in handles):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    sharded, replicated = _params_in_torch_order(model, handles)
+    device = handles[0].compute_device
+    local_sharded = _grad_norm(sharded, norm_type, device)
+    local_replicated = _grad_norm(replicated, norm_type, device) if replicated else None
+    if math.isinf(norm_type):
+        total = local_sharded if local_replicated is None else torch.maximum(local_sharded, local_replicated)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        total = local_sharded**norm_type
+        dist.all_reduce(total, group=group)
+        if local_replicated is not None:  # the same on every rank: added once, after the sum
+            total += local_replicated**norm_type
+        total = total ** (1.0 / norm_type)
+    if any(handle.offload for handle in handles):
+        total = total.cpu()
+    grads = [p.grad for p in (*sharded, *replicated) if p.grad is not None]
+    return _scale(grads, float(max_norm), total, group)
+
+
+def _params_in_torch_order(
+    model: nn.Module, handles: list[FlatParamHandle]
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(sharded, replicated) parameters: each handle's (its originals with use_orig_params, else its flat parameter)
+    in the handles' order, then the parameters of `model` that no handle manages, as replicated."""
+    seen: set[int] = set()
+    sharded: list[nn.Parameter] = []
+    replicated: list[nn.Parameter] = []
+    for handle in handles:
+        target = sharded if handle.sharded else replicated
+        owned = handle.orig_params.values() if handle.use_orig_params else (handle.flat_param,)
+        for param in owned:
+            if id(param) not in seen:
+                seen.add(id(param))
+                target.append(param)
+        seen.add(id(handle.flat_param))  # managed, whether or not the module registers it
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            replicated.append(param)
+    return sharded, replicated
+
+
+def _grad_norm(params: list[nn.Parameter], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The p-norm of the gradients of `params` as one vector, in fp32: the norm of their norms."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads])
+    return torch.linalg.vector_norm(norms, norm_type, dtype=torch.float32).to(device=device)
+
+
+def _scale(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Multiply `grads` by min(1, max_norm / (total + 1e-6)); returns `total` in their widest dtype."""
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.device, grad.dtype))
+    if not grads:
+        warnings.warn(
+            f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank(group)} with no gradients -- returning the total "
+            f"norm in the default dtype {total.dtype}",
+            stacklevel=4,
+        )
+        return total
+    dtype = grads[0].dtype
+    for grad in grads[1:]:
+        dtype = torch.promote_types(dtype, grad.dtype)
+    return total.to(dtype)
+
+
+def _clip_tensor_parallel(
+    model: nn.Module, handles: list[FlatParamHandle], group: dist.ProcessGroup, max_norm: float, norm_type: float
+) -> torch.Tensor:
+    """The whole model's norm where units hold tp-sharded DTensor parameters: gradients of sharded units are
+    partitioned across the data-parallel ranks, so their p-th powers (or maxima) are summed over the group;
+    replicated gradients (NO_SHARD units, ignored parameters) are counted once, locally; pieces of tp-sharded
+    parameters are summed over their tensor-parallel mesh first (copies over it, Replicate, count once)."""
     sharded = {id(p) for h in handles if h.sharded for p in (h.flat_param, *h.orig_params.values())}
     tp_pieces, tp_params = _tp_pieces(handles)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -60,21 +146,7 @@ def clip_grad_norm_(
         total = torch.maximum(local_sharded, local_replicated)
     else:
         total = (local_sharded + local_replicated) ** (1.0 / norm_type)
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coefficient.to(grad.device, grad.dtype))
-    if not grads:
-        dtype = torch.get_default_dtype()
-        warnings.warn(
-            f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank(group)} with no gradients -- returning the total "
-            f"norm in the default dtype {dtype}",
-            stacklevel=3,
-        )
-        return total.to(dtype)
-    dtype = grads[0].dtype
-    for grad in grads[1:]:
-        dtype = torch.promote_types(dtype, grad.dtype)
-    return total.to(dtype)
+    return _scale(grads, max_norm, total, group)
 
 
 def _tp_groups(handle: FlatParamHandle) -> list[dist.ProcessGroup]:
