@@ -13,7 +13,7 @@ checkpoint holds for its parameters (`fill_from_checkpoint`), built by the same 
 dtypes, so the load fills them. A checkpoint with no state for it (saved before the first step) leaves it as it is.
 Where no such load ran (a loader bound before fsdp_legacy was imported, a storage reader that is not a directory),
 `optim_state_dict_to_load` refuses a target whose param_groups a loader replaced while its state stayed empty, on
-every rank. A dict saved and loaded with torch.save, or passed straight back, is a new object or unchanged, so a run
+each rank that passes one, without a collective (see load_target_problem). A dict saved and loaded with torch.save, or passed straight back, is a new object or unchanged, so a run
 that truly never stepped saves and loads as with torch's.
 """
 
@@ -23,11 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-
-from ..unit import FSDPUnit
 
 _KEPT = 4  # targets remembered per optimizer: a resume takes one
 
@@ -182,19 +178,12 @@ def _problem(optim: torch.optim.Optimizer, osd: Any) -> str | None:
     return None
 
 
-def check_load_target(
-    model: nn.Module, optim: torch.optim.Optimizer, osd: Any, group: dist.ProcessGroup | None
-) -> None:
-    """Raise on every rank if any rank passes a load target that lost the checkpoint's state. The ranks agree over
-    `group`, else the model's root unit's group (every rank that holds the model calls this)."""
-    problem = _problem(optim, osd)
-    if group is None:
-        group = next((m.process_group for m in model.modules() if isinstance(m, FSDPUnit)), None)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, problem, group=group)
-        rank, problem = next(((r, p) for r, p in enumerate(everyone) if p), (0, None))
-        if problem and rank != dist.get_rank(group):
-            problem = f"{problem} (on rank {rank})"
-    if problem:
-        raise RuntimeError(problem)
+def load_target_problem(optim: torch.optim.Optimizer, osd: Any) -> str | None:
+    """Why `osd` must not be loaded into `optim` (a load target that lost the checkpoint's state), or None.
+
+    Local by design: torch's optim_state_dict_to_load of a FULL dict runs no collective, and programs call it one
+    rank at a time (OLMo's full checkpointer loads turn by turn, with a barrier after each), so asking the other
+    ranks here would hang them. A dict with this problem holds no state, so the load that follows runs no collective
+    either: a rank that raises leaves none of the others waiting in this call. With rank0_only, rank 0's verdict
+    travels with its dict in the broadcast that load already makes."""
+    return _problem(optim, osd)

@@ -15,7 +15,7 @@ from ..api import FullOptimStateDictConfig
 from ..flat_param import ParamInfo
 from ..handle import FlatParamHandle
 from ..naming import clean_fqn
-from .fresh_optim import check_load_target
+from .fresh_optim import load_target_problem
 from .optim_entries import Entry, ParamGroups, ParamOrder, copy_scalar, entries_by_param, is_scalar, param_entries
 from .optim_state_named import by_param_names
 from .state_dict import get_state_dict_type
@@ -39,8 +39,12 @@ def optim_state_dict_to_load(
         raise ValueError("optim_state_dict_to_load needs a model with at least one FullyShardedDataParallel unit.")
     config = settings.optim_state_dict_config
     rank0_only = isinstance(config, FullOptimStateDictConfig) and config.rank0_only
-    check_load_target(model, optim, optim_state_dict, group)
-    result = optim_state_to_load(model, optim, optim_state_dict, broadcast=rank0_only, group=group)
+    problem = load_target_problem(optim, optim_state_dict)
+    if rank0_only:  # rank 0's dict and its verdict reach every rank in one broadcast
+        optim_state_dict, problem = broadcast_from_rank0([optim_state_dict, problem], group)
+    if problem:
+        raise RuntimeError(problem)
+    result = optim_state_to_load(model, optim, optim_state_dict, broadcast=False, group=group)
     if is_named_optimizer:
         result = by_param_names(model, optim, result)
     if load_directly:
@@ -52,10 +56,8 @@ def optim_state_dict_to_load(
 def optim_state_to_load(
     model: nn.Module, optim: ParamGroups, osd: Any, broadcast: bool, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
-    if broadcast and dist.is_initialized() and dist.get_world_size(group) > 1:
-        holder = [osd if dist.get_rank(group) == 0 else None]
-        dist.broadcast_object_list(holder, group=group, group_src=0)  # rank 0's dict reaches every rank
-        osd = holder[0]
+    if broadcast:
+        (osd,) = broadcast_from_rank0([osd], group)
     if not isinstance(osd, dict) or "state" not in osd:  # torch's message, word for word
         raise ValueError('`optim_state_dict` must have the keys "state"to be a valid optimizer state dict')
     entries = param_entries(model, optim)
@@ -91,6 +93,15 @@ def optim_state_to_load(
     if "param_groups" not in osd:  # a state alone loads as a state alone, as in torch
         return {"state": state}
     return {"state": state, "param_groups": _param_groups(optim, entries, osd["param_groups"])}
+
+
+def broadcast_from_rank0(objects: list[Any], group: dist.ProcessGroup | None) -> list[Any]:
+    """Rank 0's `objects` on every rank of `group` (one broadcast_object_list; nothing to do alone)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return objects
+    holder = list(objects) if dist.get_rank(group) == 0 else [None] * len(objects)
+    dist.broadcast_object_list(holder, group=group, group_src=0)
+    return holder
 
 
 def _keys_in_model_order(model: nn.Module, optim: ParamGroups) -> list[int]:
