@@ -5,7 +5,8 @@ With use_orig_params=True the original parameters are what nn.Module sees, and c
 a detached copy (the next forward would copy it back into the unconverted flat parameter). So, as torch does, the
 flat parameters stand in for them during the conversion, and the original parameters become views of the converted
 shards afterwards. Either way the handle then adopts its flat parameter's new data (dtype, device) at once, not only
-at the first forward.
+at the first forward; inside summon_full_params a sharded unit's converted data is the summoned unsharded copy, which
+the summon keeps showing and writes back, its shard left as it was (summon.adopt_summoned_conversion).
 """
 
 import contextlib
@@ -16,6 +17,7 @@ from torch import nn
 
 from .handle import FlatParamHandle
 from .orig_param_grads import assign_grad
+from .summon import adopt_summoned_conversion
 from .unit import FSDPUnit, fsdp_modules
 
 # Units whose flat parameters stand in for their original parameters now (nested units' _apply runs inside).
@@ -40,7 +42,8 @@ def converting(root: FSDPUnit, fn: Callable[[torch.Tensor], torch.Tensor]) -> It
             restore()
         for unit in units:
             for handle in unit._handles:
-                handle.adopt_replaced_flat_param()
+                if not adopt_summoned_conversion(handle):
+                    handle.adopt_replaced_flat_param()
         for unit in swapped:
             for handle in unit._handles:
                 _convert_orig_grads(handle, fn)

@@ -12,6 +12,7 @@ A unit whose parameters differ in dtype has one handle per dtype; each is what i
 
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import auto
 from typing import Any
 
@@ -54,6 +55,16 @@ class HandleTrainingState(FSDPEnum):
     SUMMON_FULL_PARAMS = auto()
 
 
+@dataclass
+class Summoned:
+    """What summon_full_params shows of a handle: the whole flat tensor in full precision (None on the ranks a
+    rank0_only summon leaves sharded), which the shown parameters view and writeback reads; `_apply` inside the
+    summon (`.to`, `.half`) replaces it by its converted copy, as it replaces torch's unsharded flat parameter."""
+
+    full: torch.Tensor | None
+    rank0_only: bool
+
+
 # Each mixin declares the methods it uses of the others as stubs, so it must come after those that define them.
 class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandleNames):
     def __init__(
@@ -88,6 +99,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         self.sharded = sharded
         self.use_orig_params = use_orig_params
         self.training_state = HandleTrainingState.IDLE
+        self.summoned: Summoned | None = None  # inside summon_full_params
         self.unshard_work: comm.Waitable | None = None
         self._gather_input: torch.Tensor | None = None  # the all-gather's input while it is in flight
         self.saved_grad: torch.Tensor | None = None

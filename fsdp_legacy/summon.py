@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .handle import FlatParamHandle, HandleTrainingState
+from .handle import FlatParamHandle, HandleTrainingState, Summoned
 from .unit import FSDPUnit, TrainingState
 
 
@@ -76,6 +76,7 @@ def _summon_handle(
         full = handle.gather_full(handle.local_shard)
         full_grad = handle.gather_full_grad() if with_grads else None
         if rank0_only and handle.rank != 0 and handle.sharded:
+            handle.summoned = Summoned(None, rank0_only)
             yield  # this rank keeps its shard; it took part in the collective for rank 0
             return
         if offload_to_cpu and full.device.type != "cpu":
@@ -84,18 +85,47 @@ def _summon_handle(
         data_before = handle.flat_param.data
         if handle.sharded:
             handle.flat_param.data = full[: handle.layout.numel]
+        handle.summoned = Summoned(full, rank0_only)
         _expose(unit, handle, full, full_grad)
         try:
             yield
         finally:
             if writeback and handle.sharded:
-                n = handle.layout.shard_numel
-                with torch.no_grad():
-                    handle.local_shard.copy_(full[handle.rank * n : (handle.rank + 1) * n])
-            handle.flat_param.data = data_before
+                _write_back(handle, handle.summoned.full if handle.summoned.full is not None else full)
+            if handle.sharded:  # (NO_SHARD's flat parameter stayed the local shard, converted in place or not)
+                handle.flat_param.data = data_before
             _hide(unit, handle)
     finally:
+        handle.summoned = None
         handle.training_state = HandleTrainingState.IDLE
+
+
+@torch.no_grad()
+def _write_back(handle: FlatParamHandle, full: torch.Tensor) -> None:
+    """This rank's range of the whole flat tensor into its local shard (the padding past the parameters stays; a
+    tensor `_apply` converted inside the summon is unpadded, and copy_ casts it back)."""
+    n = handle.layout.shard_numel
+    start = handle.rank * n
+    piece = full[start : min(start + n, full.numel())]
+    handle.local_shard[: piece.numel()].copy_(piece)
+
+
+def adopt_summoned_conversion(handle: FlatParamHandle) -> bool:
+    """After nn.Module._apply inside a summon of a sharded unit: the converted unsharded flat parameter becomes what
+    the summon shows and writes back (the original parameters view it), and the local shard stays as it was, as with
+    torch's FSDP1, whose reshard at the summon's end puts the unconverted shard back. Returns whether the handle was
+    summoned so (the caller then leaves the flat parameter's new data alone)."""
+    summoned = handle.summoned
+    if summoned is None or summoned.full is None or not handle.sharded:
+        return False
+    data = handle.flat_param.data
+    if data.is_set_to(summoned.full[: handle.layout.numel]):
+        return True  # unchanged (`.to()` of the device and dtype it has already)
+    summoned.full = data
+    for info, param in handle.orig_params.items():
+        if info not in handle.dtensors:
+            param.data = info.view_in(data)
+    return True
 
 
 def _writeback_on_every_rank(handle: FlatParamHandle) -> None:

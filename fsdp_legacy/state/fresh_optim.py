@@ -13,8 +13,9 @@ checkpoint holds for its parameters (`fill_from_checkpoint`), built by the same 
 dtypes, so the load fills them. A checkpoint with no state for it (saved before the first step) leaves it as it is.
 Where no such load ran (a loader bound before fsdp_legacy was imported, a storage reader that is not a directory),
 `optim_state_dict_to_load` refuses a target whose param_groups a loader replaced while its state stayed empty, on
-each rank that passes one, without a collective (see load_target_problem). A dict saved and loaded with torch.save, or passed straight back, is a new object or unchanged, so a run
-that truly never stepped saves and loads as with torch's.
+each rank that passes one, without a collective (see load_target_problem). A dict saved and loaded with torch.save,
+or passed straight back, is a new object or unchanged, so a run that truly never stepped saves and loads as with
+torch's.
 """
 
 import weakref

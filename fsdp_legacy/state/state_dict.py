@@ -321,6 +321,9 @@ def _unsharded_values(
     """FULL: a cloned full tensor per parameter reference; SHARDED: its dim-0 chunk as a ShardedTensor/DTensor.
     Ranks that keep nothing (rank0_only) still take part in the gather and get None values."""
     values: dict[str, Any] = {}
+    summoned = handle.summoned
+    if summoned is not None and not summoned.rank0_only and not handle.dtensors:
+        return _summoned_values(unit, handle, kind, config, keep)
     if kind == StateDictType.SHARDED_STATE_DICT and exchanges_chunks(unit, handle, config):
         chunks = sharded_chunks(unit, handle, handle.local_shard, handle.group, config)
         for (key, _, _, _), (_, value) in zip(managed_keys(handle), chunks, strict=True):
@@ -338,6 +341,29 @@ def _unsharded_values(
                 values[key] = chunk_dtensor(param, unit, config.offload_to_cpu, handle.dtensors.get(info))
             else:
                 values[key] = chunk_sharded_tensor(param, handle, config.offload_to_cpu)
+    return values
+
+
+def _summoned_values(
+    unit: FSDPUnit, handle: FlatParamHandle, kind: StateDictType, config: StateDictConfig, keep: bool
+) -> dict[str, Any]:
+    """Inside summon_full_params: the values of the parameters as the modules show them now, edits of the summon
+    included (a LoRA merge written into the full weights before writeback), as torch's FSDP1 reads its summoned
+    parameters; no collective, as in torch. (A rank0_only summon, whose other ranks hold no full copy, and tensor
+    parallelism's DTensors take the usual path, from the local shards.)"""
+    values: dict[str, Any] = {}
+    for key, module, name, _ in managed_keys(handle):
+        shown = module._parameters.get(name)
+        if not keep or shown is None:
+            values[key] = None if not keep else shown
+            continue
+        param = shown.detach()
+        if kind == StateDictType.FULL_STATE_DICT:
+            values[key] = detached_copy(param, config.offload_to_cpu)
+        elif uses_dtensor(unit, config):
+            values[key] = chunk_dtensor(param, unit, config.offload_to_cpu)
+        else:
+            values[key] = chunk_sharded_tensor(param, handle, config.offload_to_cpu)
     return values
 
 
