@@ -16,7 +16,7 @@ from ..flat_param import ParamInfo
 from ..handle import FlatParamHandle
 from ..naming import clean_fqn
 from .fresh_optim import load_target_problem
-from .optim_entries import Entry, ParamGroups, ParamOrder, copy_scalar, entries_by_param, is_scalar, param_entries
+from .optim_entries import Entry, ParamGroups, copy_scalar, entries_by_param, is_scalar, param_entries
 from .optim_state_named import by_param_names
 from .state_dict import get_state_dict_type
 from .state_dict_loading import gather_full_tensor, materialize
@@ -92,7 +92,7 @@ def optim_state_to_load(
             state[key] = local
     if "param_groups" not in osd:  # a state alone loads as a state alone, as in torch
         return {"state": state}
-    return {"state": state, "param_groups": _param_groups(optim, entries, osd["param_groups"])}
+    return {"state": state, "param_groups": _param_groups(entries, osd["param_groups"])}
 
 
 def broadcast_from_rank0(objects: list[Any], group: dist.ProcessGroup | None) -> list[Any]:
@@ -208,24 +208,20 @@ def _piece_local(handle: FlatParamHandle, info: ParamInfo, values: dict[str, Any
     return {n: copy_scalar(v) if is_scalar(v) else info.flatten(v)[lo:hi].clone() for n, v in values.items()}
 
 
-def _param_groups(optim: ParamGroups, entries: list[tuple[int, Entry]], saved: list[dict]) -> list[dict]:
-    """The optimizer's groups with the saved hyperparameters of the group that holds the same FQNs; without an
-    optimizer (the older API given optim_input), the saved groups, renumbered with the ids of this rank's order."""
-    if isinstance(optim, ParamOrder):
-        id_of = {fqn: key for key, (_, entry) in enumerate(entries) for fqn in entry.fqns}
-        return [
-            {
-                **{k: v for k, v in group.items() if k != "params"},
-                "params": sorted({id_of[f] for f in group["params"] if f in id_of}),  # as torch: ids sorted
-            }
-            for group in saved
-        ]
-    saved_group_of = {
-        clean_fqn(fqn) if isinstance(fqn, str) else fqn: group for group in saved for fqn in group["params"]
-    }
-    groups = []
-    for index, group in enumerate(optim.param_groups):
-        ids = [key for key, (g, _) in enumerate(entries) if g == index]
-        match = next((saved_group_of[f] for k in ids for f in entries[k][1].fqns if f in saved_group_of), group)
-        groups.append({**{k: v for k, v in match.items() if k != "params"}, "params": ids})
-    return groups
+def _param_groups(entries: list[tuple[int, Entry]], saved: list[dict]) -> list[dict]:
+    """The saved groups, in their order and with their hyperparameters, each listing the ids (this rank's order of
+    the optimizer's parameters, or of optim_input's) of the parameters whose FQNs it names, sorted: as torch's
+    FSDP1 rekeys them. A parameter the saved dict does not name (one the optimizer holds beside FSDP's units, as in
+    model parallelism) has no id there; the caller adds its entry to load it, as with torch's."""
+    id_of = {fqn: key for key, (_, entry) in enumerate(entries) for fqn in entry.fqns}
+    return [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": sorted({id_of[f] for f in map(_clean_name, group["params"]) if f in id_of}),
+        }
+        for group in saved
+    ]
+
+
+def _clean_name(fqn: Any) -> Any:
+    return clean_fqn(fqn) if isinstance(fqn, str) else fqn
