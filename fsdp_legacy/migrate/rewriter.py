@@ -239,7 +239,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 continue
             kept.append(_with_leading(statement, carried) if carried else statement)
             carried = []
-        if carried or not kept:
+        if carried or (body and not kept):  # (a block emptied by the rewrite; an empty file stays empty)
             kept.append(cst.SimpleStatementLine([cst.Pass()], leading_lines=carried))
         return reorder(kept, self.constructions, self.checkpointing, self.code)
 
@@ -519,7 +519,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         func = original.func
         assert isinstance(func, cst.Attribute)
         receiver, method = self.code(func.value), func.attr.value
-        args = [self.module.code_for_node(a) for a in updated.args]
+        # (each argument without its own comma, which a node keeps when another argument follows it)
+        args = [self.module.code_for_node(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in updated.args]
         if method == "load_state_dict" and len(original.args) == 1:
             inner = original.args[0].value
             if isinstance(inner, cst.Call) and optim_state.api_of(self.fsdp1(inner.func)) in optim_state.LOADS:
