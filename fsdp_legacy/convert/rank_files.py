@@ -28,6 +28,7 @@ from .errors import CheckpointError
 from .integrity import check_archive
 from .loading import LocalShards, load_rank_file
 from .record import FlatParamRecord, records_in_metadata
+from .seals import Seals
 
 
 def is_rank_file(path: str) -> bool:
@@ -174,6 +175,19 @@ class RankFiles(Checkpoint):
         if not 0 <= rank < world_size:
             raise CheckpointError(f"{file} says it was saved by rank {rank} of {world_size}: the file is damaged.")
         return leaves, rank, world_size, records
+
+    def verify_seals(self) -> Seals:
+        """The archives' CRC-32s and the save identities were checked on opening (unless a share was given)."""
+        checked = ("CRC-32s of every rank's torch.save archive",) if self._crc_checked is None else ()
+        if self.side_records and all(r.save_id for r in self.side_records.values()):
+            return Seals((*checked, "one save (the save identities in the layout records)"))
+        return Seals(
+            checked,
+            (
+                "no save identity (files of torch's FSDP1, of an earlier fsdp_legacy, or of a SHARDED state dict): "
+                "files of two saves with the same layout are not told apart",
+            ),
+        )
 
     def read(self, path: Path) -> torch.Tensor:
         if path in self._plain:

@@ -34,7 +34,7 @@ from .dcp_files import METADATA_FILE, DcpCheckpoint, data_files, ends_with_stamp
 from .errors import CheckpointError
 from .integrity import check_archive
 from .rank_files import RankFiles, rank_files_in
-from .side_file import SIDE_FILE, check_files, read_side_file
+from .side_file import SIDE_FILE, check_files, read_side_file, valid_time
 
 _RANK_NAME = re.compile(r"rank_?\d+")
 RECORDED = "the save's record"
@@ -99,8 +99,16 @@ def _recorded_time(path: str, fmt: str) -> float | None:
                 value = (json.load(file).get("metadata") or {}).get(SAVED_AT)
         else:
             value = read_safetensors_header(os.path.join(path, SAFE_WEIGHTS)).metadata.get(SAVED_AT)
-        return float(value) if value is not None else None
+        return valid_time(_number(value), f"{path} ({SAVED_AT})") if value is not None else None
     return None
+
+
+def _number(value: object) -> object:
+    """A time recorded as a string (safetensors metadata holds strings), as a number where it reads as one."""
+    try:
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
 
 
 def _newest_mtime(path: str) -> float:
@@ -193,6 +201,9 @@ def _verify_full(path: str, share: tuple[int, int]) -> Verified:
                 check_archive(file, os.path.join(path, name))
         return Verified("every file present, CRC-32s of the torch.save archives, one save", None)
     headers = {name: read_safetensors_header(os.path.join(path, name)) for name in files}
+    for name, header in headers.items():
+        if SAVED_AT in header.metadata:
+            valid_time(_number(header.metadata[SAVED_AT]), f"{os.path.join(path, name)} ({SAVED_AT})")
     for name in files[share[0] :: share[1]]:
         problem = headers[name].data_crc_problem(os.path.join(path, name))
         if problem is not None:
