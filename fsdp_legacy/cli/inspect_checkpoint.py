@@ -29,10 +29,10 @@ from ..convert.flat import Unflattened, is_local, records_in
 from ..convert.framework_layouts import accelerate_entries, is_trainer_file, sections_of
 from ..convert.integrity import check_archive
 from ..convert.loading import LocalShards, load_rank_file, safe_load
-from ..convert.rank_files import check_one_save, rank_files_in
+from ..convert.rank_files import check_one_save, rank_file_seals, rank_files_in
 from ..convert.record import FlatParamRecord, is_flat_key, records_in_metadata
 from ..convert.safetensors_files import SafetensorsDirectory
-from ..convert.seals import Seals
+from ..convert.seals import ARCHIVE, Seals
 from ..convert.torch_file import load_tree
 from ..convert.verl_files import clean_fqn, verl_files
 from ..convert.views import Composite, Rename, renamed
@@ -127,9 +127,6 @@ class Opened:
     seals: Seals = field(default_factory=Seals)  # what of the writer's seals was checked, and what has none
 
 
-_ARCHIVE = "CRC-32s of every record of the torch.save archive"
-
-
 def _checked(path: str, damaged: str = "") -> None:
     """The archive's CRC-32s, before its pickle is read (`damaged`: a prefix for the error)."""
     try:
@@ -162,7 +159,7 @@ def _torch_file(path: str) -> Opened:
     changed: list[bool] = []
     tree = _str_keys(tree, changed)
     opened = Opened(_Described(path, flatten(tree, path)), "full", "one torch.save file", notes=_indexed_note(changed))
-    opened.seals = Seals((_ARCHIVE,))
+    opened.seals = Seals((ARCHIVE,))
     top = {str(p[0]) for p in opened.checkpoint.leaves}
     if "model" not in top and "optim" not in top:  # the user's keys (Lightning Fabric's save, ...)
         try:
@@ -217,11 +214,7 @@ def _rank_files(files: Sequence[str], location: str, quiet: bool) -> Opened:
     described = _Described(location, first)
     described.side_records = {r.flat_key: r for r in records[first_file]}
     opened = Opened(described, "per-rank files", "per-rank torch.save files", world_size, notes)
-    identified = all(found and all(r.save_id for r in found) for found in records.values())
-    opened.seals = Seals(
-        ("CRC-32s of every rank's torch.save archive", *(("one save (save identities)",) if identified else ())),
-        () if identified else ("no save identity: files of two saves with the same layout are not told apart",),
-    )
+    opened.seals = rank_file_seals(all(found and all(r.save_id for r in found) for found in records.values()))
     return opened
 
 
@@ -341,7 +334,7 @@ def _lightning(path: str) -> Opened:
         "full",
         "a Lightning Trainer checkpoint (one torch.save file)",
         notes=["the names are the LightningModule's (convert --strip-prefix takes its attribute off)"],
-        seals=Seals((_ARCHIVE,)),
+        seals=Seals((ARCHIVE,)),
     )
     optimizers = tree.get("optimizer_states") or []
     if optimizers:

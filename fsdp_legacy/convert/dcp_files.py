@@ -25,7 +25,7 @@ import struct
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -117,6 +117,24 @@ class DcpCheckpoint(Checkpoint):
             self.leaves = {("model", *p): v for p, v in self.leaves.items()}
         self._cache: tuple[_Stored | None, Any] = (None, None)  # the last item read: flat slices reuse it
 
+    def check_items(self, files: Collection[str] | None = None) -> None:
+        """Every tensor item (of `files`, default all) against its archive's CRC-32s and the dtype and shape
+        `.metadata` declares for it: CheckpointError naming the file and the tensor of the first that is not."""
+        for path, items in self._items.items():
+            for item in items:
+                if files is None or item.file in files:
+                    self._tensor(item, path)
+        self._cache = (None, None)
+
+    def data_file_names(self) -> list[str]:
+        return sorted({item.file for items in self._items.values() for item in items})
+
+    def _name_the_item(self, name: str) -> None:
+        """For a data file whose CRC-32 differs from the side file's: raise the error of the first of its items whose
+        archive, dtype or shape is wrong (it names the tensor); return where every item reads right (the damage is
+        elsewhere in the file: its stamp, say)."""
+        self.check_items([name])
+
     def _check_extent(self, item: _Stored, key: str, nbytes: int, sizes: dict[str, int]) -> None:
         """The item lies inside its file and has room for the chunk's bytes (a torch.save archive stores them
         uncompressed): a size in `.metadata` that its items cannot hold is refused before anything is allocated."""
@@ -145,17 +163,19 @@ class DcpCheckpoint(Checkpoint):
         Without (a plain dcp.save): every tensor item against its archive's CRC-32s and the dtype and shape
         `.metadata` declares for it."""
         if self._side is not None:
-            check_files(self.location, self._side)
+            for name in sorted(self._side.files):
+                try:
+                    check_files(self.location, self._side, [name])
+                except CheckpointError as error:
+                    self._name_the_item(name)  # which tensor's bytes changed, where an item's archive says
+                    raise error from None
             return Seals(
                 (
                     f"CRC-32 of every file ({SIDE_FILE})",
                     "one save (the save identity in every data file and in the side file)",
                 ),
             )
-        for path, items in self._items.items():
-            for item in items:
-                self._tensor(item, path)
-        self._cache = (None, None)
+        self.check_items()
         return Seals(
             ("CRC-32s of every item's torch.save archive", "every item's dtype and shape against .metadata"),
             (

@@ -13,6 +13,8 @@ Seals by format (docs/failures.md, "What each format's seals guarantee"):
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+ARCHIVE = "CRC-32s of every record of the torch.save archive"  # what the readers of one torch.save file check
+
 
 @dataclass(frozen=True)
 class Seals:

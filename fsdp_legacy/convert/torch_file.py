@@ -20,7 +20,7 @@ from .checkpoint import Checkpoint, Path, TensorMeta, flatten, unflatten
 from .errors import CheckpointError
 from .integrity import check_archive, rewrite_crcs
 from .loading import safe_load
-from .seals import Seals
+from .seals import ARCHIVE, Seals
 
 
 def load_tree(path: str) -> Mapping:
@@ -52,7 +52,7 @@ class TorchFile(Checkpoint):
         self.leaves = {k: TensorMeta.of(v) if isinstance(v, torch.Tensor) else v for k, v in self._values.items()}
 
     def verify_seals(self) -> Seals:
-        return Seals(("CRC-32s of every record of the torch.save archive (checked on opening)",))
+        return Seals((ARCHIVE,))  # (checked on opening)
 
     def read(self, path: Path) -> torch.Tensor:
         return self._values[path]

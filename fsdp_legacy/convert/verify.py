@@ -147,7 +147,6 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
             f"{path} holds DCP data files but no {METADATA_FILE}, which dcp.save writes last: the save did not finish."
         )
     side = read_side_file(path)
-    DcpCheckpoint(path)  # metadata readable, one save (stamps), every tensor covered by its chunks
     metadata = read_metadata(os.path.join(path, METADATA_FILE))
     names = data_files(metadata)
     if side is None:
@@ -158,9 +157,14 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
                 f"{path} was being saved through fsdp_legacy.dcp_checkpoint.save, which writes {SIDE_FILE} (the "
                 "CRC-32s) last, but it has none: the save did not finish."
             )
-        _check_extents(path, metadata)
+    # metadata checked value by value, one save (stamps), every tensor tiled by its chunks, every item in its file
+    checkpoint = DcpCheckpoint(path)
+    if side is None:  # what the converter checks of a plain dcp.save: each item's archive, dtype and shape
+        checkpoint.check_items(checkpoint.data_file_names()[share[0] :: share[1]])
+    if side is None:
         return Verified(
-            "every data file present and long enough (saved by dcp.save itself: no CRC-32s to check)",
+            "every item's CRC-32s, dtype and shape against .metadata (saved by dcp.save itself: no save identity "
+            "or CRC-32 of whole files)",
             getattr(metadata.storage_meta, "save_id", None),
         )
     missing = sorted(set(names) - set(side.files))
@@ -171,21 +175,6 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
         )
     check_files(path, side, sorted(side.files)[share[0] :: share[1]])
     return Verified("one save (identities), CRC-32 of every file", side.save_id)
-
-
-def _check_extents(path: str, metadata: object) -> None:
-    ends: dict[str, int] = {}
-    for info in getattr(metadata, "storage_data", {}).values():
-        name = str(info.relative_path)
-        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
-    for name, end in sorted(ends.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{file} is missing: the checkpoint is incomplete.")
-        if os.path.getsize(file) < end:
-            raise CheckpointError(
-                f"{file} holds {os.path.getsize(file)} bytes, but its items end at byte {end}: it is truncated."
-            )
 
 
 def _verify_full(path: str, share: tuple[int, int]) -> Verified:
