@@ -147,6 +147,8 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
             f"{path} holds DCP data files but no {METADATA_FILE}, which dcp.save writes last: the save did not finish."
         )
     side = read_side_file(path)
+    # metadata checked value by value, one save (stamps), every tensor tiled by its chunks, every item in its file
+    checkpoint = DcpCheckpoint(path)
     metadata = read_metadata(os.path.join(path, METADATA_FILE))
     names = data_files(metadata)
     if side is None:
@@ -157,11 +159,8 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
                 f"{path} was being saved through fsdp_legacy.dcp_checkpoint.save, which writes {SIDE_FILE} (the "
                 "CRC-32s) last, but it has none: the save did not finish."
             )
-    # metadata checked value by value, one save (stamps), every tensor tiled by its chunks, every item in its file
-    checkpoint = DcpCheckpoint(path)
-    if side is None:  # what the converter checks of a plain dcp.save: each item's archive, dtype and shape
+        # what the converter checks of a plain dcp.save: each item's archive, dtype and shape
         checkpoint.check_items(checkpoint.data_file_names()[share[0] :: share[1]])
-    if side is None:
         return Verified(
             "every item's CRC-32s, dtype and shape against .metadata (saved by dcp.save itself: no save identity "
             "or CRC-32 of whole files)",
