@@ -13,6 +13,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 
@@ -65,6 +66,24 @@ def data_record_offset(archive: bytes, minimum: int = 4) -> tuple[str, int]:
         record = next(i for i in opened.infolist() if "/data/" in i.filename and i.file_size >= minimum)
     name_length, extra_length = struct.unpack_from("<2H", archive, record.header_offset + 26)
     return record.filename, record.header_offset + 30 + name_length + extra_length
+
+
+def tensors_holding(path: str, record: str) -> list[str]:
+    """The dotted keys of the tensors of a full torch.save file (loaded by torch) whose storage's bytes are the
+    record's: which tensors a damaged record damages."""
+    with zipfile.ZipFile(path) as opened:
+        data = opened.read(record)
+    found: list[str] = []
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for name, item in value.items():
+                walk(item, f"{key}.{name}" if key else str(name))
+        elif isinstance(value, torch.Tensor) and bytes(value.untyped_storage()) == data:
+            found.append(key)
+
+    walk(torch.load(path, weights_only=True), "")
+    return found
 
 
 def pickle_offset(archive: bytes, needle: bytes) -> int:

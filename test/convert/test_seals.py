@@ -30,6 +30,7 @@ from damage import (
     pickle_offset,
     rewrite_safetensors_header,
     safetensors_header,
+    tensors_holding,
 )
 from test_optim_state import adam, model_sd, osd, train
 
@@ -170,8 +171,13 @@ def _flip_data(source: Path, name: str) -> str:
     file = str(source / "rank1.pt") if name == "ranks" else str(source)
     with open(file, "rb") as handle:
         record, start = data_record_offset(handle.read(), 16)
+    holding = "|".join(map(re.escape, tensors_holding(file, record))) if name == "full.pt" else r"\S+"
+    assert holding, "the record holds a tensor of the file"
     flip_bit(file, start)
-    return rf"{re.escape(file)} is corrupted: its record {re.escape(repr(record))} does not match the CRC-32"
+    return (
+        rf"{re.escape(file)} is corrupted: its record {re.escape(repr(record))} \(the data of ({holding})\) does "
+        "not match the CRC-32"
+    )
 
 
 @pytest.mark.parametrize("name", SOURCES)
