@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from ..safetensors_format import (
     BIN_INDEX,
     BIN_WEIGHTS,
-    DATA_CRC32,
     SAFE_INDEX,
     SAFE_WEIGHTS,
     SAVED_AT,
@@ -197,13 +196,15 @@ def _verify_full(path: str, share: tuple[int, int]) -> Verified:
         if problem is not None:
             raise CheckpointError(problem)
     save_ids = {header.save_id for header in headers.values()}
-    sealed = all(DATA_CRC32 in header.metadata for header in headers.values())
+    sealed = all(header.data_sealed for header in headers.values())
+    header_sealed = all(header.header_sealed for header in headers.values())
     return Verified(
         "every file present, headers against sizes, one save, "
         + (
             "CRC-32s of the tensor data"
             if sealed
             else "no CRC-32 recorded (saved by save_pretrained, or by an earlier fsdp_legacy)"
-        ),
+        )
+        + (", the headers' seals" if header_sealed else " (header-unsealed)"),
         next(iter(save_ids)) if len(save_ids) == 1 else None,
     )
