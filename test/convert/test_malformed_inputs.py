@@ -44,6 +44,14 @@ def _saved_at(value: Any) -> Callable[[Path], None]:
     return edit
 
 
+def _recorded_crc_changed(directory: Path) -> None:
+    """One recorded CRC-32 changed by one, the side file otherwise intact (its own checksum now stale)."""
+    body = json.loads((directory / SIDE).read_text())
+    name = sorted(body["files"])[0]
+    body["files"][name] ^= 1
+    (directory / SIDE).write_text(json.dumps(body))
+
+
 def _metadata(edit: Callable[[Any], None]) -> Callable[[Path], None]:
     return lambda directory: rewrite_metadata(str(directory), edit)
 
@@ -72,6 +80,11 @@ def _junk_planner_data(metadata: Any) -> None:
 # (source, edit, a pattern of the one line that must say what is wrong)
 CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
     "side file + one byte": ("dcp_sealed", _append_byte, rf"{SIDE} is damaged"),
+    "side file, a recorded CRC-32 changed": (
+        "dcp_sealed",
+        _recorded_crc_changed,
+        rf"{SIDE} is damaged: its content does not match the CRC-32 it records of itself",
+    ),
     "saved_at 1e300": ("dcp_sealed", _saved_at(1e300), r"records the save time 1e\+300, which is not a time"),
     "saved_at 2**63": ("dcp_sealed", _saved_at(2**63), f"records the save time {2**63}, which is not a time"),
     "chunk list of None": (
