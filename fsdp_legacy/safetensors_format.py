@@ -32,6 +32,8 @@ __all__ = [
     "SAVED_AT",
     "SAVE_ID",
     "DATA_CRC32",
+    "HEADER_CRC32",
+    "TENSOR_CRC32",
     "SafetensorsHeader",
     "SafetensorsWriter",
     "Stored",
@@ -66,6 +68,11 @@ SAVED_AT = "fsdp_legacy_saved_at"  # when the save began, seconds since the epoc
 # The CRC-32 of the file's data (every byte after the header), 8 hex digits: safetensors itself has no checksum, so a
 # flipped bit in tensor data would load silently. Written last, into a placeholder of the same length in the header.
 DATA_CRC32 = "fsdp_legacy_data_crc32"
+# The CRC-32 of each tensor's bytes, 8 hex digits per tensor in the order of their names: a flipped bit is then named
+# by its tensor. And a CRC-32 over the header itself (every name, dtype, shape and offset, and the other metadata), so a
+# renamed key or a permuted shape is seen too. Both are filled by seal(), as DATA_CRC32 is.
+TENSOR_CRC32 = "fsdp_legacy_tensor_crc32"
+HEADER_CRC32 = "fsdp_legacy_header_crc32"
 _CRC_PLACEHOLDER = "--------"
 _READ_BLOCK = 16 * 2**20
 
@@ -127,10 +134,15 @@ class SafetensorsWriter:
         metadata: Mapping[str, str] | None = None,
         checksum: bool = False,
     ) -> None:
-        """`checksum`: the header gets DATA_CRC32, filled by `seal()` once every byte is written."""
-        extra = {DATA_CRC32: _CRC_PLACEHOLDER} if checksum else {}
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {}), **extra}}
+        """`checksum`: the header gets DATA_CRC32, TENSOR_CRC32 and HEADER_CRC32, filled by `seal()` once every byte
+        is written."""
+        names = sorted(key for key, _, _ in tensors)
+        seals = {DATA_CRC32: 8, TENSOR_CRC32: 8 * len(names), HEADER_CRC32: 8} if checksum else {}
+        header: dict[str, Any] = {
+            "__metadata__": {"format": "pt", **(metadata or {}), **{k: "-" * n for k, n in seals.items()}}
+        }
         self.offsets: dict[str, tuple[int, torch.dtype]] = {}
+        self._spans: dict[str, tuple[int, int]] = {}
         offset = 0
         for key, shape, dtype in tensors:
             if dtype not in DTYPES:
@@ -138,12 +150,16 @@ class SafetensorsWriter:
             end = offset + math.prod(shape) * dtype.itemsize
             header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
             self.offsets[key] = (offset, dtype)
+            self._spans[key] = (offset, end)
             offset = end
+        self._header, self._names = header, names
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.data_start = 8 + len(encoded)
-        pair = f'"{DATA_CRC32}":"{_CRC_PLACEHOLDER}"'.encode()  # where seal() writes the CRC-32's digits
-        self._crc_at = 8 + encoded.index(pair) + len(pair) - 1 - len(_CRC_PLACEHOLDER) if extra else None
+        self._places: dict[str, int] = {}  # seal key -> where seal() writes its digits
+        for key, length in seals.items():
+            pair = f'"{key}":"{"-" * length}"'.encode()
+            self._places[key] = 8 + encoded.index(pair) + len(pair) - 1 - length
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # (read back by seal())
         try:
             _pwrite(self.fd, struct.pack("<Q", len(encoded)) + encoded, 0)
@@ -163,11 +179,20 @@ class SafetensorsWriter:
             position += chunk.numel() * dtype.itemsize
 
     def seal(self) -> None:
-        """Every tensor is written: put the data's CRC-32 into the header (read back from the file, since the pieces
-        arrive in any order)."""
-        if self._crc_at is not None:
-            crc = data_crc32(self.fd, self.data_start)
-            _pwrite(self.fd, f"{crc:08x}".encode(), self._crc_at)
+        """Every tensor is written: put the CRC-32s of the data, of each tensor and of the header into the header
+        (the data read back from the file, since the pieces arrive in any order)."""
+        if not self._places:
+            return
+        by_name, whole = tensor_crc32s(self.fd, self.data_start, self._spans)
+        values = {
+            DATA_CRC32: f"{whole:08x}",
+            TENSOR_CRC32: "".join(f"{by_name[name]:08x}" for name in self._names),
+        }
+        metadata = {**self._header["__metadata__"], **values}
+        tensors = {k: v for k, v in self._header.items() if k != "__metadata__"}
+        values[HEADER_CRC32] = f"{header_crc32(tensors, metadata):08x}"
+        for key, value in values.items():
+            _pwrite(self.fd, value.encode(), self._places[key])
 
     def close(self) -> None:
         os.close(self.fd)
@@ -180,6 +205,34 @@ def data_crc32(fd: int, data_start: int) -> int:
         crc = zlib.crc32(block, crc)
         position += len(block)
     return crc
+
+
+def tensor_crc32s(fd: int, data_start: int, spans: Mapping[str, tuple[int, int]]) -> tuple[dict[str, int], int]:
+    """The CRC-32 of each tensor's bytes (`spans`: name -> [begin, end) in the data, tiling it) and of the whole
+    data, in one pass over the file. ValueError where the file ends early."""
+    crcs: dict[str, int] = {}
+    whole = 0
+    for name, (begin, end) in sorted(spans.items(), key=lambda item: item[1]):
+        crc, position = 0, data_start + begin
+        while position < data_start + end:
+            block = os.pread(fd, min(_READ_BLOCK, data_start + end - position), position)
+            if not block:
+                raise ValueError(f"the file ends inside the data of {name}: it was cut short")
+            crc = zlib.crc32(block, crc)
+            whole = zlib.crc32(block, whole)
+            position += len(block)
+        crcs[name] = crc
+    return crcs, whole
+
+
+def header_crc32(tensors: Mapping[str, Any], metadata: Mapping[str, str]) -> int:
+    """The seal over a header: every tensor's entry and the metadata (but this seal), in a canonical encoding, so it
+    is the same however the JSON was spaced or ordered."""
+    body = {
+        "metadata": {k: v for k, v in metadata.items() if k != HEADER_CRC32},
+        "tensors": {k: [v["dtype"], list(v["shape"]), list(v["data_offsets"])] for k, v in tensors.items()},
+    }
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 def _pwrite(fd: int, data: Any, position: int) -> None:
@@ -217,21 +270,48 @@ class SafetensorsHeader:
     def save_id(self) -> str | None:
         return self.metadata.get(SAVE_ID)
 
+    @property
+    def data_sealed(self) -> bool:
+        """Whether the header records a CRC-32 of the data (save_full_model's, the converter's)."""
+        return DATA_CRC32 in self.metadata or TENSOR_CRC32 in self.metadata
+
+    @property
+    def header_sealed(self) -> bool:
+        """Whether the header carries a seal of its own (checked by read_safetensors_header)."""
+        return HEADER_CRC32 in self.metadata
+
     def data_crc_problem(self, path: str) -> str | None:
-        """None when the file's data matches the CRC-32 its header records (or it records none), else why not."""
-        recorded = self.metadata.get(DATA_CRC32)
-        if recorded is None:
+        """None when the file's data matches the CRC-32s its header records (or it records none), else why not,
+        naming the tensors whose bytes changed where the header records a CRC-32 per tensor."""
+        per_tensor, whole = self.metadata.get(TENSOR_CRC32), self.metadata.get(DATA_CRC32)
+        if per_tensor is None and whole is None:
             return None
+        if _CRC_PLACEHOLDER in (whole, (per_tensor or "")[:8]):
+            return f"{path} was never sealed: the save that wrote it did not finish"
+        start = self.data_start
+        spans = {key: (t.start - start, t.start - start + t.nbytes) for key, t in self.tensors.items()}
         fd = os.open(path, os.O_RDONLY)
         try:
-            actual = f"{data_crc32(fd, self.data_start):08x}"
+            crcs, actual = tensor_crc32s(fd, self.data_start, spans)
+        except ValueError as error:
+            return f"{path}: {error}"
         finally:
             os.close(fd)
-        if actual == recorded:
-            return None
-        if recorded == _CRC_PLACEHOLDER:
-            return f"{path} was never sealed: the save that wrote it did not finish"
-        return f"{path}: its tensor data does not match the CRC-32 its header records (the data changed after saving)"
+        if per_tensor is not None:
+            names = sorted(self.tensors)
+            recorded = [per_tensor[8 * i : 8 * i + 8] for i in range(len(names))]
+            changed = [name for name, crc in zip(names, recorded, strict=True) if f"{crcs[name]:08x}" != crc]
+            if changed:
+                listed = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+                return (
+                    f"{path}: the data of {listed} does not match the CRC-32 its header records for it (the data "
+                    "changed after saving)"
+                )
+        if whole is not None and f"{actual:08x}" != whole:
+            return (
+                f"{path}: its tensor data does not match the CRC-32 its header records (the data changed after saving)"
+            )
+        return None
 
 
 def read_safetensors_header(path: str) -> SafetensorsHeader:
@@ -301,7 +381,29 @@ def read_safetensors_header(path: str) -> SafetensorsHeader:
             f"{path}: {data_size - reached} bytes follow the last tensor's data: it is damaged, or not what its header "
             "says"
         )
+    _check_header_seal(path, header, metadata)
     return SafetensorsHeader(tensors, metadata, data_start)
+
+
+def _check_header_seal(path: str, entries: Mapping[str, Any], metadata: Mapping[str, str]) -> None:
+    """ValueError unless the header matches the seal its writer put in it (files without one pass: save_pretrained's,
+    earlier fsdp_legacy's). Our writers put the per-tensor CRC-32s and the header seal in together, so a file with
+    only one of them lost the other's key to damage."""
+    seal, per_tensor = metadata.get(HEADER_CRC32), metadata.get(TENSOR_CRC32)
+    if seal is None and per_tensor is None:
+        return
+    if seal is None or per_tensor is None or len(per_tensor) != 8 * len(entries):
+        raise ValueError(
+            f"{path}: its header's seals ({HEADER_CRC32}, {TENSOR_CRC32}) are incomplete or do not fit its "
+            f"{len(entries)} tensors: the header is damaged"
+        )
+    if seal == _CRC_PLACEHOLDER:
+        raise ValueError(f"{path} was never sealed: the save that wrote it did not finish")
+    if seal != f"{header_crc32(entries, metadata):08x}":
+        raise ValueError(
+            f"{path}: its header (tensor names, dtypes, shapes, offsets or metadata) does not match the CRC-32 seal "
+            f"its writer recorded ({HEADER_CRC32}): it was edited or damaged after saving"
+        )
 
 
 def pread_into(fd: int, position: int, buffer: torch.Tensor, what: str) -> None:

@@ -1,6 +1,6 @@
 """The `fsdp-legacy` command, installed with the package (also `python -m fsdp_legacy`):
 
-    fsdp-legacy inspect PATH [--json]                       what a checkpoint holds, without reading its tensors
+    fsdp-legacy inspect PATH [--json]                       what a checkpoint holds, its seals checked first
     fsdp-legacy convert SOURCE DESTINATION --to FORMAT      offline checkpoint conversion (fsdp_legacy.convert)
     fsdp-legacy mem-report --model gpt-7b --world-sizes 8   predicted peak memory (fsdp_legacy.memory)
 

@@ -43,6 +43,9 @@ optimizer state saved beside it when that trains every parameter (FQNs, shapes a
 The optimizer state comes along wherever the source has it (--model-only leaves it out); --strip-prefix takes a
 prefix off the names that have it (the Trainer's are the LightningModule's: 'model.' in front of a HF model's names).
 
+Every seal the source's writer made is checked first (CRC-32s of our safetensors data and headers, of our DCP files,
+of torch.save archives; a plain dcp.save's items against its metadata): a damaged source is refused with one line
+naming the file and tensor, and the report says what was verified and what the source carries no seal for.
 Tensors are converted one at a time, the destination is replaced atomically, and what was written is read back and
 compared with what was meant to be written bit for bit. Every file is loaded with weights_only=True, but per-rank
 files holding ShardedTensors or DTensors, which are unpickled with an allowlist of torch's tensor classes (no code

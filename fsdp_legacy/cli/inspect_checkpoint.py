@@ -1,12 +1,13 @@
-"""`fsdp-legacy inspect PATH`: what a checkpoint holds, without reading its tensors.
+"""`fsdp-legacy inspect PATH`: what a checkpoint holds, once every seal its writer made is checked.
 
-The layout is detected as the converter detects sources (fsdp_legacy.convert.detect_layout). Then only descriptions
-are read: a DCP directory's `.metadata` (with the converter's restricted unpickler) and its non-tensor items,
-safetensors headers, and the pickles of torch.save archives, memory-mapped, through the converter's weights_only load
-or, for per-rank files of ShardedTensors and DTensors, its restricted unpickler (no code from the file runs, no
-process group). Tensor data is never read, except fsdp_legacy's layout records (a few hundred bytes of JSON per flat
-parameter), which name the original parameters inside a LOCAL checkpoint's flat ones. So a checkpoint of any size is
-described in seconds; `convert` is what checks every byte (CRC-32s, and the conversion read back bit for bit).
+The layout is detected as the converter detects sources (fsdp_legacy.convert.detect_layout). Every seal is checked
+first, as the converter checks a source (convert/seals.py): the CRC-32s of every torch.save archive, the side file's
+CRC-32s of a DCP directory saved through fsdp_legacy (or, for a plain dcp.save, every item's archive, dtype and shape),
+the CRC-32s in our safetensors headers; that reads every byte once. Then the descriptions are read: a DCP directory's
+`.metadata` (with the converter's restricted unpickler, every value checked) and its non-tensor items, safetensors
+headers, and the pickles of torch.save archives, memory-mapped, through the converter's weights_only load or, for
+per-rank files of ShardedTensors and DTensors, its restricted unpickler (no code from the file runs, no process
+group). What was verified, and what the format carries no seal for, is part of the description.
 """
 
 from __future__ import annotations
@@ -26,25 +27,29 @@ from ..convert.checkpoint import Checkpoint, Path, TensorMeta, dotted, flatten
 from ..convert.dcp_files import DcpCheckpoint
 from ..convert.flat import Unflattened, is_local, records_in
 from ..convert.framework_layouts import accelerate_entries, is_trainer_file, sections_of
+from ..convert.integrity import check_archive
 from ..convert.loading import LocalShards, load_rank_file, safe_load
-from ..convert.rank_files import check_one_save, rank_files_in
+from ..convert.rank_files import check_one_save, rank_file_seals, rank_files_in
 from ..convert.record import FlatParamRecord, is_flat_key, records_in_metadata
 from ..convert.safetensors_files import SafetensorsDirectory
+from ..convert.seals import ARCHIVE, Seals
 from ..convert.torch_file import load_tree
 from ..convert.verl_files import clean_fqn, verl_files
 from ..convert.views import Composite, Rename, renamed
 from .common import EXIT_CODES, EXIT_OK, UsageError, check_source, human_bytes, progress
 from .latest_checkpoint import run_latest
 
-HELP = "show what a checkpoint holds (format, world size, parameters, dtypes, size) without reading its tensors"
+HELP = "show what a checkpoint holds (format, world size, parameters, dtypes, size), its seals checked first"
 
 DESCRIPTION = f"""Show what a checkpoint holds: its format, the world size it was saved at (where it has one), every
 model tensor by name with its shape and dtype (a LOCAL checkpoint's original parameters, named by its layout
 records), the optimizer state, and the sizes.
 
-Reads the layouts `convert` reads (--from, detected by default): {", ".join(SOURCE_LAYOUTS)}. Nothing but
-descriptions is read (DCP metadata, safetensors headers, the pickles of torch.save archives, through weights_only or
-the converter's restricted unpickler; never code from the file), so it takes seconds for a checkpoint of any size."""
+Reads the layouts `convert` reads (--from, detected by default): {", ".join(SOURCE_LAYOUTS)}. Every seal the
+checkpoint's writer made is checked first (CRC-32s of torch.save archives, of our DCP files and safetensors data and
+headers): a damaged checkpoint is refused with one line naming the file and tensor. The output says what was
+verified and what the format carries no seal for. Pickles are read through weights_only or the converter's
+restricted unpickler: never code from the file."""
 
 EXAMPLES = f"""examples:
   fsdp-legacy inspect ckpt/local                      # a DCP directory (LOCAL or FSDP2's layout)
@@ -119,6 +124,16 @@ class Opened:
     world_size: int | None = None
     notes: list[str] = field(default_factory=list)
     optimizer: dict[str, Any] | None = None  # for an optimizer state keyed by index, summarised from its pickles
+    seals: Seals = field(default_factory=Seals)  # what of the writer's seals was checked, and what has none
+
+
+def _checked(path: str, damaged: str = "") -> None:
+    """The archive's CRC-32s, before its pickle is read (`damaged`: a prefix for the error)."""
+    try:
+        with open(path, "rb") as file:
+            check_archive(file, path)
+    except CheckpointError as error:
+        raise CheckpointError(f"{damaged}{error}") from None
 
 
 def _str_keys(value: Any, changed: list[bool]) -> Any:
@@ -139,10 +154,12 @@ def _indexed_note(changed: list[bool]) -> list[str]:
 
 
 def _torch_file(path: str) -> Opened:
-    tree = load_tree(path)  # no check of the tensors' CRCs: inspect reads no tensor data
+    _checked(path)
+    tree = load_tree(path)
     changed: list[bool] = []
     tree = _str_keys(tree, changed)
     opened = Opened(_Described(path, flatten(tree, path)), "full", "one torch.save file", notes=_indexed_note(changed))
+    opened.seals = Seals((ARCHIVE,))
     top = {str(p[0]) for p in opened.checkpoint.leaves}
     if "model" not in top and "optim" not in top:  # the user's keys (Lightning Fabric's save, ...)
         try:
@@ -160,6 +177,7 @@ def _rank_files(files: Sequence[str], location: str, quiet: bool) -> Opened:
     changed: list[bool] = []
     records: dict[str, list[FlatParamRecord]] = {}
     for file in progress(files, len(files), "reading rank files", quiet):
+        _checked(file, "One of the per-rank files is there but damaged: ")
         tree = load_rank_file(file)
         if not isinstance(tree, Mapping):
             raise CheckpointError(f"{file} holds a {type(tree).__name__}, not a state dict.")
@@ -195,7 +213,9 @@ def _rank_files(files: Sequence[str], location: str, quiet: bool) -> Opened:
     first_file, first = ranks[min(ranks)]
     described = _Described(location, first)
     described.side_records = {r.flat_key: r for r in records[first_file]}
-    return Opened(described, "per-rank files", "per-rank torch.save files", world_size, notes)
+    opened = Opened(described, "per-rank files", "per-rank torch.save files", world_size, notes)
+    opened.seals = rank_file_seals(all(found and all(r.save_id for r in found) for found in records.values()))
+    return opened
 
 
 def _index_optimizer(raws: Sequence[Any], where: str) -> dict[str, Any]:
@@ -242,6 +262,8 @@ def _verl(source: str, quiet: bool) -> Opened:
     opened.kind = "verl's per-rank files"
     if "optim" in files:
         paths = [files["optim"][r] for r in sorted(files["optim"])]
+        for path in paths:
+            _checked(path)
         raws = [load_rank_file(path) for path in progress(paths, len(paths), "reading optimizer files", quiet)]
         opened.optimizer = _index_optimizer(raws, source)
         opened.notes.append("the optimizer state is keyed by parameter index (optimizer.state_dict() on each rank)")
@@ -250,9 +272,18 @@ def _verl(source: str, quiet: bool) -> Opened:
     return opened
 
 
+def _dcp(path: str, kind: str = "a DCP directory") -> Opened:
+    stored = DcpCheckpoint(path)
+    try:
+        return Opened(stored, "dcp", kind, seals=stored.verify_seals())
+    except BaseException:
+        stored.close()
+        raise
+
+
 def _part(paths: list[str], directory: str, quiet: bool) -> Opened:
     if len(paths) == 1 and os.path.isdir(paths[0]):
-        return Opened(DcpCheckpoint(paths[0]), "dcp", "a DCP directory")
+        return _dcp(paths[0])
     if len(paths) == 1 and "_rank" not in os.path.basename(paths[0]):
         return _torch_file(paths[0])
     return _rank_files(paths, directory, quiet)
@@ -276,6 +307,7 @@ def _accelerate(directory: str, quiet: bool) -> Opened:
     if optim:
         ((optim_kind, optim_paths),) = optim.items()
         part = _part(optim_paths, directory, quiet)
+        opened.seals = opened.seals + part.seals
         rename = _under_optim if optim_kind == "full file" else renamed({"optimizer": "optim", "model": "optim"})
         parts.append((part.checkpoint, rename))
     opened.checkpoint = Composite(directory, parts)
@@ -285,15 +317,14 @@ def _accelerate(directory: str, quiet: bool) -> Opened:
 
 def _lightning(path: str) -> Opened:
     if os.path.isdir(path):
-        return Opened(
-            sections_of(DcpCheckpoint(path), "a sharded Lightning checkpoint"),
-            "dcp",
-            "Lightning's sharded FSDP checkpoint (a DCP directory)",
-        )
+        opened = _dcp(path, "Lightning's sharded FSDP checkpoint (a DCP directory)")
+        opened.checkpoint = sections_of(opened.checkpoint, "a sharded Lightning checkpoint")
+        return opened
     if not is_trainer_file(path):
         opened = _torch_file(path)
         opened.kind = "Lightning's full FSDP checkpoint (one torch.save file)"
         return opened
+    _checked(path)
     tree = safe_load(path, path, mmap=True)
     model = tree.get("state_dict") if isinstance(tree, Mapping) else None
     if not isinstance(model, Mapping):
@@ -303,6 +334,7 @@ def _lightning(path: str) -> Opened:
         "full",
         "a Lightning Trainer checkpoint (one torch.save file)",
         notes=["the names are the LightningModule's (convert --strip-prefix takes its attribute off)"],
+        seals=Seals((ARCHIVE,)),
     )
     optimizers = tree.get("optimizer_states") or []
     if optimizers:
@@ -321,7 +353,7 @@ def open_description(path: str, layout: str, quiet: bool = False) -> tuple[Opene
     if layout == "dcp":
         if not os.path.isdir(path):
             raise UsageError(f"{path} is not a DCP checkpoint directory.")
-        return Opened(DcpCheckpoint(path), "dcp", "a DCP directory"), layout
+        return _dcp(path), layout
     if layout == "full":
         if not os.path.isfile(path):
             raise UsageError(f"{path} is not a file (--from full reads one torch.save file).")
@@ -332,7 +364,9 @@ def open_description(path: str, layout: str, quiet: bool = False) -> tuple[Opene
             raise UsageError(f"{path} names no per-rank torch.save files of a LOCAL or SHARDED state dict.")
         return _rank_files(files, path, quiet), layout
     if layout == "safetensors":
-        return Opened(SafetensorsDirectory(path), "safetensors", "a Hugging Face safetensors directory"), layout
+        stored = SafetensorsDirectory(path)
+        kind = "a Hugging Face safetensors directory"
+        return Opened(stored, "safetensors", kind, seals=stored.verify_seals()), layout
     if layout == "accelerate":
         if not os.path.isdir(path):
             raise UsageError(f"{path} is not a directory: an Accelerate checkpoint is the directory save_state wrote.")
@@ -417,6 +451,8 @@ def describe(path: str, layout: str = "auto", quiet: bool = False) -> dict[str, 
             "tensor_bytes": total,
             "files": len(files),
             "disk_bytes": sum(os.path.getsize(f) for f in files),
+            "verified": list(opened.seals.verified),
+            "not_verified": list(opened.seals.unverified),
             "notes": notes,
         }
 
@@ -476,6 +512,8 @@ def as_text(found: dict[str, Any]) -> str:
         f"  size:        {human_bytes(found['tensor_bytes'])} of tensors; {human_bytes(found['disk_bytes'])} on disk "
         f"in {found['files']} file{'s' if found['files'] != 1 else ''}"
     )
+    lines.append(f"  verified:    {'; '.join(found['verified']) or 'nothing: the format carries no seal'}")
+    lines += [f"  unverified:  {what}" for what in found["not_verified"]]
     lines += [f"  note:        {note}" for note in found["notes"]]
     rows = [(p["name"], str(tuple(p["shape"])), p["dtype"]) for p in found["parameters"]]
     if rows:

@@ -13,7 +13,10 @@ from .common import EXIT_FAILED, EXIT_OK, UsageError
 
 
 def _when(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="seconds")
+    try:
+        return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="seconds")
+    except (OverflowError, ValueError, OSError):  # (latest() refuses such times; a clock can still be wrong)
+        return f"{seconds!r} seconds since the epoch, not a date"
 
 
 def as_text(root: str, found: LatestCheckpoint | None) -> str:

@@ -71,3 +71,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:  # a checkpoint no check foresaw: still one line, never a traceback
+        message = f"unexpected {type(error).__name__} ({error}): a case fsdp_legacy's checks missed, please report it"
+        print(error_line(where, message), file=sys.stderr)
+        return EXIT_FAILED

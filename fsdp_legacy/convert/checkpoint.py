@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .seals import Seals
 
 Path = tuple[str | int, ...]
 Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of one stored piece of a tensor
@@ -55,6 +56,12 @@ class Checkpoint(abc.ABC):
     def chunks(self, path: Path) -> list[Chunk] | None:
         """How the tensor is stored in pieces (DCP), None where the format has no pieces."""
         return None
+
+    def verify_seals(self) -> Seals:
+        """Check every seal the writer put in the checkpoint (CRC-32s, save identities) against its bytes, raising
+        CheckpointError naming the file and tensor of the first one broken; what was checked, and what carries no
+        seal. Readers of stored formats override it; a view of another checkpoint passes it on."""
+        return Seals()
 
     def tensors(self) -> Iterator[tuple[Path, TensorMeta]]:
         return ((path, leaf) for path, leaf in self.leaves.items() if isinstance(leaf, TensorMeta))

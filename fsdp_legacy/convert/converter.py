@@ -31,6 +31,7 @@ from .flat import Flattened, Unflattened, is_local, no_layout_message, records_i
 from .inferred_layout import infer_layout
 from .record import FlatParamRecord, is_flat_key
 from .safetensors_files import ModelWeights, write_safetensors
+from .seals import Seals
 from .sources import SOURCE_LAYOUTS, open_source
 from .torch_file import write_torch_file
 from .views import Prefixless
@@ -52,13 +53,25 @@ class ConversionReport:
     verified: int  # tensors read back and found equal to the source (0 without verification)
     seconds: float
     notes: tuple[str, ...] = ()  # what of the source was not carried over, and why
+    source_seals: Seals = Seals()  # what of the source's seals was checked before converting, what it has none of
 
     def summary(self) -> str:
-        check = f", verified {self.verified} tensors bit for bit" if self.verified else ", not verified"
-        return (
-            f"{self.source} ({self.source_format}) -> {self.destination} ({self.target_format}): "
-            f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB{check}, {self.seconds:.1f} s"
-        ) + "".join(f"\n  note: {note}" for note in self.notes)
+        check = (
+            f", the output read back and verified bit for bit against the source ({self.verified} tensors)"
+            if self.verified
+            else ", the output not read back (not verified)"
+        )
+        checked = "; ".join(self.source_seals.verified) or "nothing: the source carries no seal"
+        lines = [f"  source checked: {checked}"]
+        lines += [f"  not verifiable in the source: {what}" for what in self.source_seals.unverified]
+        return "\n".join(
+            [
+                f"{self.source} ({self.source_format}) -> {self.destination} ({self.target_format}): "
+                f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB{check}, {self.seconds:.1f} s",
+                *lines,
+                *(f"  note: {note}" for note in self.notes),
+            ]
+        )
 
 
 def open_checkpoint(path: str | Sequence[str], layout: str | None = None) -> Checkpoint:
@@ -124,6 +137,7 @@ def convert_checkpoint(
     layout = dict(layout) if layout is not None else _records_of(layout_from) if layout_from is not None else {}
     stored, source_format = open_source(source, source_layout, layout, optimizer=not model_only)
     with stored:
+        seals = stored.verify_seals()  # every seal its writer made, before anything is converted
         if source_format in ("dcp", "full"):
             source_format = format_of(stored)
         elif source_format == "local" and not is_local(stored):  # per-rank files of a SHARDED (or FSDP2) state dict
@@ -175,7 +189,16 @@ def convert_checkpoint(
             raise _write_failed(destination, error) from error
         tensors = sum(1 for _ in target.tensors())
     return ConversionReport(
-        stored.location, destination, source_format, to, tensors, total, verified, time.perf_counter() - start, notes
+        stored.location,
+        destination,
+        source_format,
+        to,
+        tensors,
+        total,
+        verified,
+        time.perf_counter() - start,
+        notes,
+        seals,
     )
 
 

@@ -19,13 +19,13 @@ and every file by the CRC-32 in the side file (side_file.py), which also carries
 import dataclasses
 import io
 import json
+import math
 import os
-import pickle
 import struct
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -44,37 +44,16 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from .atomic import atomic_directory
 from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, unflatten
+from .dcp_metadata import read_metadata
 from .errors import CheckpointError
 from .integrity import check_archive
-from .loading import Refused, RestrictedUnpickler, safe_load
+from .loading import safe_load
 from .record import FlatParamRecord
+from .seals import Seals
 from .side_file import SIDE_FILE, SideFile, check_files, file_crc, read_side_file, write_side_file
 
 METADATA_FILE = ".metadata"
 _STAMP = b"\nfsdp_legacy-save"  # ends every data file written here, after the JSON of the save identity and its size
-
-# Everything a DCP .metadata pickle may name; anything else could run code when unpickled.
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(RestrictedUnpickler):
-    allowed = _METADATA_CLASSES
 
 
 def is_dcp(path: str) -> bool:
@@ -114,28 +93,96 @@ class DcpCheckpoint(Checkpoint):
             # whole-file check of every data file is dcp_checkpoint.load's, spread over the ranks).
             check_files(path, side, [METADATA_FILE] if METADATA_FILE in side.files else [])
             self.side_records = {r.flat_key: r for r in side.records.get("model", side.records.get("", ()))}
+        self._side = side
+        # (every value below was checked by read_metadata: types, chunks tiling each tensor, planner_data's paths)
         mapping = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
         self._items: dict[Path, list[_Stored]] = {}
         self.leaves = {}
+        sizes: dict[str, int] = {}  # file -> its size
         for key, entry in metadata.state_dict_metadata.items():
             leaf_path: Path = tuple(mapping.get(key, (key,)))
             if isinstance(entry, TensorStorageMetadata):
-                self._items[leaf_path] = [
-                    self._locate(stored, key, tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks
-                ]
-                self.leaves[leaf_path] = TensorMeta(torch.Size(entry.size), entry.properties.dtype)
-                covered = sum(torch.Size(c.sizes).numel() for c in entry.chunks)
-                if covered != torch.Size(entry.size).numel():
-                    raise CheckpointError(
-                        f"{path}/{METADATA_FILE}: the chunks of {key} cover {covered} of its "
-                        f"{torch.Size(entry.size).numel()} elements: the checkpoint is incomplete."
-                    )
+                dtype = entry.properties.dtype
+                items = [self._locate(stored, key, tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
+                for item in items:
+                    self._check_extent(item, key, math.prod(item.sizes or ()) * dtype.itemsize, sizes)
+                self._items[leaf_path] = items
+                self.leaves[leaf_path] = TensorMeta(torch.Size(entry.size), dtype)
             elif isinstance(entry, BytesStorageMetadata):
-                self.leaves[leaf_path] = self._load(self._locate(stored, key, None, None), key)
+                item = self._locate(stored, key, None, None)
+                self._check_extent(item, key, 0, sizes)
+                self.leaves[leaf_path] = self._load(item, key)
         if not any(p[0] == "model" for p in self.leaves) and all(len(p) == 1 for p in self.leaves):
             self._items = {("model", *p): v for p, v in self._items.items()}  # dcp.save(model.state_dict())
             self.leaves = {("model", *p): v for p, v in self.leaves.items()}
         self._cache: tuple[_Stored | None, Any] = (None, None)  # the last item read: flat slices reuse it
+
+    def check_items(self, files: Collection[str] | None = None) -> None:
+        """Every tensor item (of `files`, default all) against its archive's CRC-32s and the dtype and shape
+        `.metadata` declares for it: CheckpointError naming the file and the tensor of the first that is not."""
+        for path, items in self._items.items():
+            for item in items:
+                if files is None or item.file in files:
+                    self._tensor(item, path)
+        self._cache = (None, None)
+
+    def data_file_names(self) -> list[str]:
+        return sorted({item.file for items in self._items.values() for item in items})
+
+    def _name_the_item(self, name: str) -> None:
+        """For a data file whose CRC-32 differs from the side file's: raise the error of the first of its items whose
+        archive, dtype or shape is wrong (it names the tensor); return where every item reads right (the damage is
+        elsewhere in the file: its stamp, say)."""
+        self.check_items([name])
+
+    def _check_extent(self, item: _Stored, key: str, nbytes: int, sizes: dict[str, int]) -> None:
+        """The item lies inside its file and has room for the chunk's bytes (a torch.save archive stores them
+        uncompressed): a size in `.metadata` that its items cannot hold is refused before anything is allocated."""
+        file = os.path.join(self.location, item.file)
+        if item.file not in sizes:
+            try:
+                sizes[item.file] = os.path.getsize(file)
+            except OSError:
+                raise CheckpointError(
+                    f"{file}, which holds {key}, is missing: the checkpoint is incomplete (copy every file of the "
+                    "directory)."
+                ) from None
+        if item.offset + item.length > sizes[item.file]:
+            raise CheckpointError(
+                f"{file} holds {sizes[item.file]} bytes, but the item of {key} ends at byte "
+                f"{item.offset + item.length}: it is truncated."
+            )
+        if item.length < nbytes:
+            raise CheckpointError(
+                f"{self.location}/{METADATA_FILE} is damaged: the chunk of {key} at {item.offsets} takes {nbytes} "
+                f"bytes, but its item in {item.file} holds {item.length}."
+            )
+
+    def verify_seals(self) -> Seals:
+        """With our side file: every file against its CRC-32 there (the save identities were checked on opening).
+        Without (a plain dcp.save): every tensor item against its archive's CRC-32s and the dtype and shape
+        `.metadata` declares for it."""
+        if self._side is not None:
+            for name in sorted(self._side.files):
+                try:
+                    check_files(self.location, self._side, [name])
+                except CheckpointError as error:
+                    self._name_the_item(name)  # which tensor's bytes changed, where an item's archive says
+                    raise error from None
+            return Seals(
+                (
+                    f"CRC-32 of every file ({SIDE_FILE})",
+                    "one save (the save identity in every data file and in the side file)",
+                ),
+            )
+        self.check_items()
+        return Seals(
+            ("CRC-32s of every item's torch.save archive", "every item's dtype and shape against .metadata"),
+            (
+                f"no {SIDE_FILE} (written by dcp.save itself): no save identity and no CRC-32 of .metadata or of whole "
+                "files, so a file of another save with the same layout is not seen",
+            ),
+        )
 
     def _locate(self, stored: Mapping, key: str, offsets: Any, sizes: Any) -> _Stored:
         info = stored.get((key, offsets))
@@ -177,6 +224,12 @@ class DcpCheckpoint(Checkpoint):
                     f"{self.location}/{item.file}: the item of {dotted(path)} at offset "
                     f"{item.offset} is not the tensor chunk of shape {item.sizes} the metadata "
                     "lists: the checkpoint is damaged."
+                )
+            if value.dtype != self.leaves[path].dtype:  # refused, never cast: the bytes are not what was saved
+                raise CheckpointError(
+                    f"{self.location}/{item.file}: the item of {dotted(path)} at offset {item.offset} holds "
+                    f"{value.dtype} data, but {METADATA_FILE} declares {self.leaves[path].dtype}: the checkpoint is "
+                    "damaged or was edited."
                 )
             self._cache = (item, value)
         return self._cache[1]
@@ -310,25 +363,6 @@ def _stamp(directory: str, metadata: Metadata, records: Mapping[str, Iterable[Fl
         stamp_file(os.path.join(directory, name), save_id)
     crcs = {name: file_crc(os.path.join(directory, name)) for name in [*names, METADATA_FILE]}
     write_side_file(directory, save_id, records, crcs, saved_at=time.time())
-
-
-def read_metadata(file: str) -> Metadata:
-    try:
-        with open(file, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
-    except Refused as refused:
-        raise CheckpointError(
-            f"{file} refers to {refused}, which DCP metadata never holds: unpickling it could run arbitrary code, so "
-            "it is refused. Use a checkpoint from a trusted source."
-        ) from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as error:
-        raise CheckpointError(
-            f"{file} cannot be read: it is truncated or corrupted ({error}). Restore it from a "
-            "copy or re-create the checkpoint."
-        ) from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata: not a DCP checkpoint.")
-    return metadata
 
 
 class _Slice(io.RawIOBase):

@@ -29,6 +29,7 @@ from .integrity import check_archive
 from .loading import safe_load
 from .optim_keys import check_shapes, index_names, keyed_by_name
 from .rank_files import RankFiles
+from .seals import ARCHIVE, Seals
 from .torch_file import TorchFile
 from .views import Composite, Rename, Tree, find_sections, renamed
 
@@ -197,7 +198,7 @@ def _trainer_file(path: str, optimizer: bool) -> Checkpoint:
                 path,
             )
         converted["optim"] = optim
-    return Tree(path, converted)
+    return Tree(path, converted, Seals((ARCHIVE,)))
 
 
 def _indexed_groups(optim: Mapping) -> bool:

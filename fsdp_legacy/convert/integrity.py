@@ -7,6 +7,7 @@ import zipfile
 import zlib
 from typing import BinaryIO
 
+from .archive_names import tensors_in_record
 from .errors import CheckpointError
 
 _BLOCK = 1 << 20
@@ -22,15 +23,17 @@ def check_archive(file: BinaryIO, where: str) -> None:
     try:
         with zipfile.ZipFile(file) as archive:
             bad = archive.testzip()
+            tensors = tensors_in_record(archive, bad) if bad is not None else []
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError) as error:
         raise CheckpointError(
             f"{where} is not a readable torch.save archive ({error}): it is truncated or corrupted, or was written "
             "by torch.save(_use_new_zipfile_serialization=False). Restore it from a copy, or save it again."
         ) from None
     if bad is not None:
+        holding = f" (the data of {', '.join(tensors)})" if tensors else ""
         raise CheckpointError(
-            f"{where} is corrupted: its record {bad!r} does not match the CRC-32 torch.save wrote for it (the data "
-            "changed after saving). Restore the file from a copy or re-create the checkpoint."
+            f"{where} is corrupted: its record {bad!r}{holding} does not match the CRC-32 torch.save wrote for it (the "
+            "data changed after saving). Restore the file from a copy or re-create the checkpoint."
         )
 
 

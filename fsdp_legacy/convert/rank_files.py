@@ -15,6 +15,7 @@ state dict (a DTensor per parameter, whose rank and mesh are pickled with it), a
 
 import glob
 import os
+import re
 import zipfile
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
@@ -28,6 +29,7 @@ from .errors import CheckpointError
 from .integrity import check_archive
 from .loading import LocalShards, load_rank_file
 from .record import FlatParamRecord, records_in_metadata
+from .seals import Seals
 
 
 def is_rank_file(path: str) -> bool:
@@ -44,27 +46,36 @@ def is_rank_file(path: str) -> bool:
         return False
 
 
+_RANK_NAME = re.compile(r"rank_?\d+")
+
+
 def is_damaged_archive(path: str) -> bool:
-    """Whether `path` starts as a zip archive (torch.save's) but cannot be opened as one: cut short, or corrupted."""
+    """Whether `path` is a zip archive (torch.save's, by its first record or its end) that cannot be read as one or
+    whose records do not match their CRC-32s: cut short or corrupted in place. A flipped bit in a rank file's pickle
+    can hide what is_rank_file looks for; the file is then still one of the ranks', damaged, not a missing rank."""
     try:
         with open(path, "rb") as file:
-            if file.read(4) != b"PK\x03\x04":
-                return False
-        with zipfile.ZipFile(path):
+            starts_as_zip = file.read(4) == b"PK\x03\x04"
+        if not (starts_as_zip or zipfile.is_zipfile(path)):
             return False
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is not None
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError):
         return True
 
 
 def rank_files_in(source: str | Sequence[str]) -> list[str]:
-    """The per-rank files a source names: a list of files, a glob pattern, a directory (its rank files, and the
-    damaged archives beside them, so that a truncated rank file is reported as damaged rather than as missing), or
-    one file. Empty when it names none."""
+    """The per-rank files a source names: a list of files, a glob pattern, a directory (its rank files, and beside
+    them the damaged archives and the files named as a rank's, so that a rank file damaged in place is reported as
+    damaged rather than as missing), or one file. Empty when it names none."""
     if not isinstance(source, str):
         return list(source)
     if os.path.isdir(source):
         names = sorted(os.path.join(source, n) for n in os.listdir(source) if not n.startswith("."))
-        return [n for n in names if os.path.isfile(n) and (is_rank_file(n) or is_damaged_archive(n))]
+        files = [n for n in names if os.path.isfile(n)]
+        rank_files = {n for n in files if is_rank_file(n)}
+        named = {n for n in files if rank_files and _RANK_NAME.search(os.path.basename(n))}  # beside rank files
+        return [n for n in files if n in rank_files or n in named or is_damaged_archive(n)]
     if os.path.isfile(source):
         return [source] if is_rank_file(source) else []
     if glob.has_magic(source):
@@ -175,6 +186,11 @@ class RankFiles(Checkpoint):
             raise CheckpointError(f"{file} says it was saved by rank {rank} of {world_size}: the file is damaged.")
         return leaves, rank, world_size, records
 
+    def verify_seals(self) -> Seals:
+        """The archives' CRC-32s and the save identities were checked on opening (unless a share was given)."""
+        identified = bool(self.side_records) and all(r.save_id for r in self.side_records.values())
+        return rank_file_seals(identified, self._crc_checked is None)
+
     def read(self, path: Path) -> torch.Tensor:
         if path in self._plain:
             return self._plain[path]
@@ -196,6 +212,21 @@ class RankFiles(Checkpoint):
 
     def chunks(self, path: Path) -> list[Chunk] | None:
         return [chunk for chunk, _ in self._pieces[path]] if path in self._pieces else None
+
+
+def rank_file_seals(identified: bool, crc_checked: bool = True) -> Seals:
+    """What the readers of per-rank files check: every archive's CRC-32s, and the save identities where the layout
+    records carry them."""
+    checked = ("CRC-32s of every rank's torch.save archive",) if crc_checked else ()
+    if identified:
+        return Seals((*checked, "one save (the save identities in the layout records)"))
+    return Seals(
+        checked,
+        (
+            "no save identity (files of torch's FSDP1, of an earlier fsdp_legacy, or of a SHARDED state dict): files "
+            "of two saves with the same layout are not told apart",
+        ),
+    )
 
 
 def assemble(path: Path, saved: list[tuple[str, LocalShards]], location: str) -> list[tuple[Chunk, torch.Tensor]]:

@@ -187,7 +187,7 @@ class FlatParamRecord:
                 save_id=_save_id(body.get("save_id")),
             )
             ok = body.get("format") == FORMAT and body.get("version") in (VERSION, VERSION_WITH_STRIDES)
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as error:
             raise CheckpointError(
                 f"{where}: the flat-parameter layout record is not readable ({error}); the "
                 "checkpoint is damaged. Re-save it, or restore it from a copy."

@@ -21,6 +21,8 @@ from ..safetensors_format import (
     SAFE_INDEX,
     SAFE_WEIGHTS,
     SAVE_ID,
+    TENSOR_CRC32,
+    SafetensorsHeader,
     SafetensorsWriter,
     mixed_saves,
     new_save_id,
@@ -33,6 +35,7 @@ from ..safetensors_format import (
 from .atomic import atomic_directory
 from .checkpoint import Checkpoint, Path, TensorMeta, dotted
 from .errors import CheckpointError
+from .seals import Seals
 
 
 def is_safetensors_directory(path: str) -> bool:
@@ -103,11 +106,13 @@ def write_safetensors(
                 os.path.join(temporary, name),
                 [(str(path[1]), leaf.shape, leaf.dtype) for path, leaf in chosen],
                 {SAVE_ID: save_id},
+                checksum=True,
             )
             try:
                 for path, leaf in chosen:
                     writer.write(str(path[1]), 0, source.read(path))
                     on_tensor(path, leaf.nbytes)
+                writer.seal()
             finally:
                 writer.close()
         if len(groups) > 1:
@@ -133,6 +138,7 @@ class SafetensorsDirectory(Checkpoint):
             files = [SAFE_WEIGHTS]
         self.leaves: dict[Path, Any] = {}
         self._where: dict[Path, tuple[str, int, int]] = {}  # file, first byte, byte count
+        self._headers: dict[str, SafetensorsHeader] = {}
         save_ids = {name: self._add_file(name) for name in files}
         if weight_map is not None:
             save_ids[SAFE_INDEX] = index_save_id
@@ -151,15 +157,42 @@ class SafetensorsDirectory(Checkpoint):
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}, named in the index, is missing: copy every file of the directory.")
         try:
-            header = read_safetensors_header(path)
+            header = read_safetensors_header(path)  # (its header seal checked, where it has one)
         except ValueError as error:
             raise CheckpointError(f"{error}. Restore it from a copy.") from None
+        self._headers[name] = header
         for key, stored in header.tensors.items():
             if ("model", key) in self.leaves:
                 raise CheckpointError(f"{key} is in two files of {self.location}: the directory mixes saves.")
             self.leaves[("model", key)] = TensorMeta(stored.shape, stored.dtype)
             self._where[("model", key)] = (name, stored.start, stored.nbytes)
         return header.save_id
+
+    def verify_seals(self) -> Seals:
+        """Every file's data against the CRC-32s in its header (each tensor's, where recorded)."""
+        for name, header in self._headers.items():
+            problem = header.data_crc_problem(os.path.join(self.location, name))
+            if problem is not None:
+                raise CheckpointError(f"{problem}. Restore it from a copy.")
+        headers = self._headers.values()
+        verified, unverified = [], []
+        if all(h.data_sealed for h in headers):
+            per_tensor = all(TENSOR_CRC32 in h.metadata for h in headers)
+            verified.append(f"CRC-32 of {'every tensor' if per_tensor else 'every file'}'s data (in its header)")
+        else:
+            unverified.append(
+                "the tensor data carries no checksum (written by save_pretrained, another tool or an earlier "
+                "fsdp_legacy): a flipped bit there is not seen"
+            )
+        if all(h.header_sealed for h in headers):
+            verified.append("CRC-32 of every header (names, dtypes, shapes, offsets)")
+        else:
+            unverified.append(
+                "header-unsealed: tensor names, dtypes and shapes are checked against the file sizes only"
+            )
+        if all(h.save_id for h in headers):
+            verified.append("one save (save identities)")
+        return Seals(tuple(verified), tuple(unverified))
 
     def read(self, path: Path) -> torch.Tensor:
         name, start, count = self._where[path]

@@ -3,13 +3,16 @@ DCP itself does not keep.
 
     <directory>/.fsdp_legacy.json   {"format", "version", "save_id", "records": {section: [record JSON]},
                                      "files": {name: CRC-32 of the whole file},
-                                     "saved_at": seconds since the epoch (since 0.x; absent before)}
+                                     "saved_at": seconds since the epoch (since 0.x; absent before),
+                                     "checksum": CRC-32 of the rest (absent in earlier versions)}
 
 * `records`: the layout records of LOCAL state dicts (DCP saves tensors and drops the state dict's `_metadata`,
   where they travel otherwise), by the dotted path of the state dict in the saved tree ("" for a bare one);
 * `save_id`: DCP's own save id from `.metadata`, which every data file also ends with (dcp_files.stamp_file): files
   of another save are refused by name;
-* `files`: a CRC-32 of every file of the save, `.metadata` included (DCP checks none).
+* `files`: a CRC-32 of every file of the save, `.metadata` included (DCP checks none);
+* `checksum`: a CRC-32 of the side file's own content (canonical JSON of every other field), so a flipped digit in
+  a recorded CRC-32 or a layout record is seen as damage to the side file rather than to the file it names.
 
 It is written last, atomically (a temporary file renamed), after every data file is complete: a directory with
 `.metadata` but without it was written by another saver (plain dcp.save) and has none of these checks.
@@ -28,6 +31,7 @@ SIDE_FILE = ".fsdp_legacy.json"
 _FORMAT = "fsdp_legacy.dcp_side"
 _VERSION = 1
 _BLOCK = 1 << 20
+_LATEST_TIME = 2**40  # seconds since the epoch (year 36812): a saved_at past it is damage, not a time
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ def write_side_file(
     }
     if saved_at is not None:
         body["saved_at"] = saved_at
+    body["checksum"] = _checksum(body)
     temporary = os.path.join(directory, f"{SIDE_FILE}.tmp-{os.getpid()}")
     with open(temporary, "w") as file:
         json.dump(body, file)
@@ -70,42 +75,70 @@ def write_side_file(
     os.replace(temporary, os.path.join(directory, SIDE_FILE))
 
 
+def _checksum(body: Mapping[str, object]) -> int:
+    content = {k: v for k, v in body.items() if k != "checksum"}
+    return zlib.crc32(json.dumps(content, sort_keys=True, separators=(",", ":")).encode())
+
+
+def valid_time(value: object, what: str) -> float:
+    """A recorded save time (seconds since the epoch), or CheckpointError: a value no clock gives (negative, not
+    finite, past year 36812) is damage, and would otherwise order the checkpoints wrongly or fail to print."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < _LATEST_TIME:
+        raise CheckpointError(f"{what} records the save time {value!r:.40}, which is not a time: it is damaged.")
+    return float(value)
+
+
 def read_side_file(directory: str) -> SideFile | None:
     """The side file of a DCP directory, or None where it has none."""
     path = os.path.join(directory, SIDE_FILE)
     try:
-        with open(path) as file:
-            text = file.read()
+        with open(path, "rb") as file:
+            raw = file.read()
     except FileNotFoundError:
         return None
     except OSError as error:
         raise CheckpointError(f"{path} cannot be read ({error}).") from None
+    damaged = f"{path} is damaged"
+    fix = "restore the checkpoint directory from a copy, or save it again."
     try:
-        body = json.loads(text)
+        body = json.loads(raw.decode("utf-8"))
+        if not isinstance(body, dict):
+            raise TypeError(f"it holds a JSON {type(body).__name__}")
         if body.get("format") != _FORMAT or body.get("version") != _VERSION:
             raise CheckpointError(
-                f"{path}: unknown format {body.get('format')!r} version {body.get('version')!r} (this fsdp_legacy "
-                f"reads {_FORMAT!r} version {_VERSION}): upgrade fsdp_legacy."
+                f"{path}: unknown format {body.get('format')!r:.40} version {body.get('version')!r:.20} (this "
+                f"fsdp_legacy reads {_FORMAT!r} version {_VERSION}): upgrade fsdp_legacy, or the file is damaged."
+            )
+        if "checksum" in body and body["checksum"] != _checksum(body):
+            raise CheckpointError(
+                f"{damaged}: its content does not match the CRC-32 it records of itself (a byte changed after "
+                f"saving): {fix}"
             )
         save_id = body["save_id"]
         files = {str(name): int(crc) for name, crc in body["files"].items()}
         sections = body["records"].items()
         if save_id is not None and not isinstance(save_id, str):
             raise TypeError("save_id is not a string")
+        for name in files:
+            if not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+                raise TypeError(f"it lists the file {name!r:.60}, which is not inside the checkpoint's directory")
         saved_at = body.get("saved_at")
-        if saved_at is not None and not isinstance(saved_at, (int, float)):
-            raise TypeError("saved_at is not a number")
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise CheckpointError(
-            f"{path} is damaged ({error}): restore the checkpoint directory from a copy, or save it again."
-        ) from None
-    records = {
-        str(section): tuple(
-            FlatParamRecord.from_json(text, f"{path} ({section or 'the state dict'})") for text in found
-        )
-        for section, found in sections
-    }
-    return SideFile(save_id, records, files, None if saved_at is None else float(saved_at))
+        if saved_at is not None:
+            saved_at = valid_time(saved_at, path)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as error:
+        raise CheckpointError(f"{damaged} ({str(error)[:200]}): {fix}") from None
+    try:
+        records = {
+            str(section): tuple(
+                FlatParamRecord.from_json(text, f"{path} ({section or 'the state dict'})") for text in found
+            )
+            for section, found in sections
+        }
+    except TypeError as error:  # (a section that is not a list of records)
+        raise CheckpointError(f"{damaged} ({error}): {fix}") from None
+    return SideFile(save_id, records, files, saved_at)
 
 
 def check_files(directory: str, side: SideFile, names: Iterable[str] | None = None) -> None:

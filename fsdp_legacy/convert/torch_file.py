@@ -20,6 +20,7 @@ from .checkpoint import Checkpoint, Path, TensorMeta, flatten, unflatten
 from .errors import CheckpointError
 from .integrity import check_archive, rewrite_crcs
 from .loading import safe_load
+from .seals import ARCHIVE, Seals
 
 
 def load_tree(path: str) -> Mapping:
@@ -49,6 +50,9 @@ class TorchFile(Checkpoint):
                     "checkpoint holds plain tensors (save a FULL_STATE_DICT)."
                 )
         self.leaves = {k: TensorMeta.of(v) if isinstance(v, torch.Tensor) else v for k, v in self._values.items()}
+
+    def verify_seals(self) -> Seals:
+        return Seals((ARCHIVE,))  # (checked on opening)
 
     def read(self, path: Path) -> torch.Tensor:
         return self._values[path]

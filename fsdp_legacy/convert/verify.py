@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from ..safetensors_format import (
     BIN_INDEX,
     BIN_WEIGHTS,
-    DATA_CRC32,
     SAFE_INDEX,
     SAFE_WEIGHTS,
     SAVED_AT,
@@ -34,7 +33,7 @@ from .dcp_files import METADATA_FILE, DcpCheckpoint, data_files, ends_with_stamp
 from .errors import CheckpointError
 from .integrity import check_archive
 from .rank_files import RankFiles, rank_files_in
-from .side_file import SIDE_FILE, check_files, read_side_file
+from .side_file import SIDE_FILE, check_files, read_side_file, valid_time
 
 _RANK_NAME = re.compile(r"rank_?\d+")
 RECORDED = "the save's record"
@@ -99,8 +98,16 @@ def _recorded_time(path: str, fmt: str) -> float | None:
                 value = (json.load(file).get("metadata") or {}).get(SAVED_AT)
         else:
             value = read_safetensors_header(os.path.join(path, SAFE_WEIGHTS)).metadata.get(SAVED_AT)
-        return float(value) if value is not None else None
+        return valid_time(_number(value), f"{path} ({SAVED_AT})") if value is not None else None
     return None
+
+
+def _number(value: object) -> object:
+    """A time recorded as a string (safetensors metadata holds strings), as a number where it reads as one."""
+    try:
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
 
 
 def _newest_mtime(path: str) -> float:
@@ -139,7 +146,8 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
             f"{path} holds DCP data files but no {METADATA_FILE}, which dcp.save writes last: the save did not finish."
         )
     side = read_side_file(path)
-    DcpCheckpoint(path)  # metadata readable, one save (stamps), every tensor covered by its chunks
+    # metadata checked value by value, one save (stamps), every tensor tiled by its chunks, every item in its file
+    checkpoint = DcpCheckpoint(path)
     metadata = read_metadata(os.path.join(path, METADATA_FILE))
     names = data_files(metadata)
     if side is None:
@@ -150,9 +158,11 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
                 f"{path} was being saved through fsdp_legacy.dcp_checkpoint.save, which writes {SIDE_FILE} (the "
                 "CRC-32s) last, but it has none: the save did not finish."
             )
-        _check_extents(path, metadata)
+        # what the converter checks of a plain dcp.save: each item's archive, dtype and shape
+        checkpoint.check_items(checkpoint.data_file_names()[share[0] :: share[1]])
         return Verified(
-            "every data file present and long enough (saved by dcp.save itself: no CRC-32s to check)",
+            "every item's CRC-32s, dtype and shape against .metadata (saved by dcp.save itself: no save identity "
+            "or CRC-32 of whole files)",
             getattr(metadata.storage_meta, "save_id", None),
         )
     missing = sorted(set(names) - set(side.files))
@@ -163,21 +173,6 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
         )
     check_files(path, side, sorted(side.files)[share[0] :: share[1]])
     return Verified("one save (identities), CRC-32 of every file", side.save_id)
-
-
-def _check_extents(path: str, metadata: object) -> None:
-    ends: dict[str, int] = {}
-    for info in getattr(metadata, "storage_data", {}).values():
-        name = str(info.relative_path)
-        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
-    for name, end in sorted(ends.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{file} is missing: the checkpoint is incomplete.")
-        if os.path.getsize(file) < end:
-            raise CheckpointError(
-                f"{file} holds {os.path.getsize(file)} bytes, but its items end at byte {end}: it is truncated."
-            )
 
 
 def _verify_full(path: str, share: tuple[int, int]) -> Verified:
@@ -193,18 +188,23 @@ def _verify_full(path: str, share: tuple[int, int]) -> Verified:
                 check_archive(file, os.path.join(path, name))
         return Verified("every file present, CRC-32s of the torch.save archives, one save", None)
     headers = {name: read_safetensors_header(os.path.join(path, name)) for name in files}
+    for name, header in headers.items():
+        if SAVED_AT in header.metadata:
+            valid_time(_number(header.metadata[SAVED_AT]), f"{os.path.join(path, name)} ({SAVED_AT})")
     for name in files[share[0] :: share[1]]:
         problem = headers[name].data_crc_problem(os.path.join(path, name))
         if problem is not None:
             raise CheckpointError(problem)
     save_ids = {header.save_id for header in headers.values()}
-    sealed = all(DATA_CRC32 in header.metadata for header in headers.values())
+    sealed = all(header.data_sealed for header in headers.values())
+    header_sealed = all(header.header_sealed for header in headers.values())
     return Verified(
         "every file present, headers against sizes, one save, "
         + (
             "CRC-32s of the tensor data"
             if sealed
             else "no CRC-32 recorded (saved by save_pretrained, or by an earlier fsdp_legacy)"
-        ),
+        )
+        + (", the headers' seals" if header_sealed else " (header-unsealed)"),
         next(iter(save_ids)) if len(save_ids) == 1 else None,
     )

@@ -33,6 +33,7 @@ from .loading import LocalShards, load_rank_file
 from .optim_keys import index_names
 from .rank_files import RankFiles, assemble
 from .record import FlatParamRecord
+from .seals import Seals
 
 VERL_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 _WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -123,6 +124,10 @@ class VerlCheckpoint(Checkpoint):
         if path in self._optim:
             return self._optim[path]()
         return self._model.read(self._origin[path])
+
+    def verify_seals(self) -> Seals:
+        optimizer = Seals(("CRC-32s of every optimizer file's torch.save archive",)) if self._optim else Seals()
+        return self._model.verify_seals() + optimizer
 
     def close(self) -> None:
         self._model.close()

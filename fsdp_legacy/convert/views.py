@@ -17,6 +17,7 @@ import torch
 
 from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, flatten
 from .errors import CheckpointError
+from .seals import Seals, combined
 
 Rename = Callable[[Path], Path | None]  # a path of a part -> its path in the composite, None to leave it out
 
@@ -38,6 +39,9 @@ class Composite(Checkpoint):
                     )
                 self.leaves[new], self._origin[new] = leaf, (part, path)
 
+    def verify_seals(self) -> Seals:
+        return combined(part.verify_seals() for part in self._parts)
+
     def read(self, path: Path) -> torch.Tensor:
         part, original = self._origin[path]
         return part.read(original)
@@ -58,13 +62,17 @@ class Composite(Checkpoint):
 class Tree(Checkpoint):
     """A nested state dict (str keys) as a checkpoint; its tensors must be plain."""
 
-    def __init__(self, location: str, tree: Mapping[str, Any]) -> None:
-        self.location = location
+    def __init__(self, location: str, tree: Mapping[str, Any], seals: Seals | None = None) -> None:
+        """`seals`: what the reader that loaded `tree` checked of its file."""
+        self.location, self._seals = location, seals or Seals()
         self._values = flatten(tree, location)
         for path, value in self._values.items():
             if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter):
                 raise CheckpointError(f"{location}: {dotted(path)} is a {type(value).__name__}, not a plain tensor.")
         self.leaves = {p: TensorMeta.of(v) if isinstance(v, torch.Tensor) else v for p, v in self._values.items()}
+
+    def verify_seals(self) -> Seals:
+        return self._seals
 
     def read(self, path: Path) -> torch.Tensor:
         return self._values[path]

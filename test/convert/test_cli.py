@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -183,13 +184,16 @@ def test_inspect_text(saved: tuple[Path, dict]) -> None:
     assert {(r[0], "".join(r[1:-1]), r[-1]) for r in rows if r[0] != "name"} == table
 
 
-def test_inspect_reads_no_tensor_data_and_runs_no_pickled_code(saved: tuple[Path, dict], tmp_path: Path) -> None:
-    """A full file whose tensor bytes are damaged: convert refuses it (its CRC check reads them: exit 1, one line),
-    inspect describes it all the same (it reads only the pickle). A pickle that would run code is refused (exit 1)
-    and the code does not run."""
+def test_inspect_checks_the_crcs_and_runs_no_pickled_code(saved: tuple[Path, dict], tmp_path: Path) -> None:
+    """A full file whose tensor bytes are damaged: convert and inspect both refuse it (torch.save's CRC-32s: exit 1,
+    one line naming the record); intact, inspect says it verified them. A pickle that would run code is refused
+    (exit 1) and the code does not run."""
     _, expected = saved
     path = tmp_path / "model.pt"
     torch.save(expected["model"], path)
+    intact = inspected(path)
+    assert listing(intact) == expected_listing(expected["model"])
+    assert intact["verified"] == ["CRC-32s of every record of the torch.save archive"] and not intact["not_verified"]
     with zipfile.ZipFile(path) as archive:
         record = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size >= 64)
     data = bytearray(path.read_bytes())
@@ -201,7 +205,11 @@ def test_inspect_reads_no_tensor_data_and_runs_no_pickled_code(saved: tuple[Path
     done = command("convert", str(path), str(tmp_path / "out.pt"), "--to", "full")
     assert done.returncode == 1 and "does not match the CRC-32" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
-    assert listing(inspected(path)) == expected_listing(expected["model"])
+    done = command("inspect", str(path), "--json")
+    damaged = "|".join(n for n, t in expected["model"].items() if t.numel() * t.element_size() == record.file_size)
+    assert done.returncode == 1, done.stderr
+    assert re.search(rf"its record {re.escape(repr(record.filename))} \(the data of ({damaged})\)", done.stderr)
+    assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout, done.stderr
 
     class Payload:
         def __reduce__(self) -> tuple:
