@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import api, patch_watch, torch_helpers, wrap
+from . import api, patch_watch, runtime_names, torch_helpers, wrap
 from .flat_param import FlatParameter
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .handle import FlatParamHandle, HandleTrainingState
@@ -78,6 +78,7 @@ def install() -> None:
             state.replaced.append((module, name, previous))
             setattr(module, name, ours)
     _state = state  # before the sweep: code it triggers may ask installed()
+    runtime_names.installed(importlib.import_module(f"{_FSDP1}._runtime_utils"))
     _sweep(swaps, state, skip=set(targets))
     torch_handle = next((value for module, name, value in state.replaced if name == "FlatParamHandle"), None)
     patch_watch.take(_FSDP1, FlatParamHandle, torch_handle if isinstance(torch_handle, type) else None)
@@ -89,6 +90,7 @@ def uninstall() -> None:
     if _state is None:
         return
     patch_watch.forget()
+    runtime_names.uninstalled()
     back: dict[int, Any] = {}  # id(ours) -> torch's object it stood for
     for namespace, name, previous in _state.replaced:
         if previous is not _MISSING and callable(previous):
@@ -142,6 +144,8 @@ def _targets(state: _Installed) -> dict[str, dict[str, Any]]:
             "_post_backward_hook",
             "_post_backward_final_callback",
             "_post_backward_reshard",
+            "_register_pre_backward_hooks",
+            "_register_post_backward_hook",
             "_reduce_grad",
             "_reduce_grad_no_shard",
             "_low_precision_hook_enabled",

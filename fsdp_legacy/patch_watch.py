@@ -1,12 +1,14 @@
 """Patches of torch's FSDP1 internals that would silently change nothing on fsdp_legacy.
 
 Libraries change torch's FSDP1 by replacing its private functions and methods: ColossalAI's FP8 all-gather replaces
-`FlatParamHandle._all_gather_flat_param`, Galvatron `_runtime_utils._register_post_backward_hook` and
-`_finalize_params`, ByteCheckpoint and VeOmni the state-dict hooks of `_state_dict_utils`, an ODC-style gradient
-service `_runtime_utils._reduce_grad` and the handle's `_get_shard` / `prepare_gradient_for_optim`. Under the switch
+`FlatParamHandle._all_gather_flat_param`, Galvatron `_runtime_utils._finalize_params`, ByteCheckpoint and VeOmni the
+state-dict hooks of `_state_dict_utils`, an ODC-style gradient service `_runtime_utils._reduce_grad` and the handle's
+`_get_shard` / `prepare_gradient_for_optim`. Under the switch
 their code runs on ours, whose runtime never calls torch's functions, so each such patch would do nothing (the values
 stay right, without the library's change). The switch (compat.py) takes a snapshot of those modules' functions when it
 installs; each root's lazy init compares and names, in one warning per name and process, what was replaced since.
+(The runtime's steps it calls through torch's names, runtime_names.CALLED_THROUGH, are not among them: a
+replacement of those runs.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import sys
 import types
 import warnings
 from dataclasses import dataclass
+
+from . import runtime_names
 
 # torch's FSDP1 files whose functions libraries replace (FSDP2's `_fully_shard` is not among them).
 WATCHED_MODULES = (
@@ -72,7 +76,8 @@ def replaced() -> list[str]:
     found = []
     for (module_name, name), value in _snapshot.functions.items():
         module = sys.modules.get(module_name)
-        if module is not None and getattr(module, name, value) is not value:
+        called_through = module_name.endswith("._runtime_utils") and name in runtime_names.CALLED_THROUGH
+        if module is not None and getattr(module, name, value) is not value and not called_through:
             found.append(f"{module_name.rpartition('.')[2]}.{name}")
     added = _snapshot.handle_names & set(vars(_snapshot.handle_class))
     found.extend(f"FlatParamHandle.{name}" for name in added)

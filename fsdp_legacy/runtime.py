@@ -22,6 +22,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from . import runtime_names
 from .api import BackwardPrefetch, full_precision_eval_requested
 from .buckets import ReduceBucket, bucket_bytes_from_env, gather_group, unshard_together, upcoming
 from .exec_order import ExecOrderCheck, enabled
@@ -72,7 +73,9 @@ class Runtime:
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs)
             )
-        if unit._handles:
+        if not unit._handles:
+            self._register_post_backward_hook(unit, None)
+        else:
             rerun_in_backward = unit._handles[0].training_state == HandleTrainingState.BACKWARD_PRE  # (checkpointing)
             # (not for an activation-checkpointed re-run in backward, as torch)
             if self.exec_order is not None and not rerun_in_backward:
@@ -82,7 +85,7 @@ class Runtime:
                     handle.writeback_orig_params()
                 handle.training_state = HandleTrainingState.FORWARD
                 handle.prefetched = False  # (an FSDP._unshard() gather is this forward's now)
-                unit._hook_post_backward(handle)  # (unfrozen since it was wrapped)
+                self._register_post_backward_hook(unit, handle)  # (unfrozen since it was wrapped)
             if unit not in self.forward_order:
                 self.forward_order.append(unit)
             self._issue_unshard(unit, backward=False)
@@ -140,9 +143,7 @@ class Runtime:
         in_backward = (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.FORWARD)
         for handle in unit._handles:
             if not handle.flat_param.requires_grad and handle.training_state in in_backward:
-                if handle.uses_buffer:
-                    self._reshard(handle)
-                handle.training_state = HandleTrainingState.BACKWARD_POST
+                self._post_backward_reshard(unit, handle)
 
     def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.backward_callback_queued and not _inside_backward():
@@ -187,16 +188,40 @@ class Runtime:
             handle.training_state = HandleTrainingState.IDLE
             # (a run without grad leaves an earlier run's pending backward as it is: that one still needs the gather)
             handle.needs_pre_backward = handle.needs_pre_backward or grad_enabled
-        if grad_enabled:
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(partial(self._pre_backward, unit))
-        elif unit is self.root:
+        register = runtime_names.replacement("_register_pre_backward_hooks")
+        if register is not None:  # code wrapped torch's name (runtime_names.py): it runs, and calls ours back
+            output = register(unit, unit, output, unit._handles[0] if unit._handles else None)
+        else:
+            output = self.register_pre_backward_hooks(unit, output)
+        if not grad_enabled and unit is self.root:
             self.iteration_done = True
         # As in torch: a unit is IDLE between its forward and its backward (which may never come), so summon,
         # clip_grad_norm_ and state dicts work there; the pre-backward hook sets FORWARD_BACKWARD again.
         unit.training_state = TrainingState.IDLE
         return output
+
+    def register_pre_backward_hooks(self, unit: FSDPUnit, output: Any) -> Any:
+        """The unit's pre-backward hook on every tensor of `output` that requires grad (none without grad)."""
+        if torch.is_grad_enabled():
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._pre_backward, unit))
+        return output
+
+    @staticmethod
+    def _register_post_backward_hook(unit: FSDPUnit, handle: FlatParamHandle | None) -> None:
+        register = runtime_names.replacement("_register_post_backward_hook")
+        if register is not None:  # (torch's calls it for a unit without parameters too, with None)
+            register(unit, handle)
+        elif handle is not None:
+            unit._hook_post_backward(handle)
+
+    def _post_backward_reshard(self, unit: FSDPUnit, handle: FlatParamHandle) -> None:
+        reshard = runtime_names.replacement("_post_backward_reshard")
+        if reshard is not None:
+            reshard(unit, handle)
+        else:
+            self.reshard_after_backward(handle)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Backward
@@ -232,8 +257,7 @@ class Runtime:
         self._finish_reductions()
         handle.training_state = HandleTrainingState.BACKWARD_POST
         grad = handle.take_unsharded_grad()
-        if handle.uses_buffer:
-            self._reshard(handle)  # before reducing, as torch FSDP1 does: the parameters are no longer needed
+        self._post_backward_reshard(unit, handle)  # before reducing, as torch FSDP1 does: no longer needed
         if not unit._sync_gradients:
             if handle.uses_buffer:  # otherwise (NO_SHARD) the gradient simply keeps accumulating into .grad
                 handle.accumulate_unsynced(grad)
@@ -277,10 +301,10 @@ class Runtime:
         handle.prepare_gradient_for_backward()  # (the accumulated gradient stays aside, as before a backward)
         self.post_backward(unit, handle)
 
-    def reshard_by_hand(self, handle: FlatParamHandle) -> None:
-        """torch's `_post_backward_reshard` called by code (Galvatron's own copy of torch's post-backward hook): the
-        parameters are no longer needed; the gradient stays on the flat parameter, where the code reads it, until
-        `reduce_by_hand`."""
+    def reshard_after_backward(self, handle: FlatParamHandle) -> None:
+        """torch's `_post_backward_reshard`, from the runtime's post-backward or called by code (Galvatron's own copy
+        of torch's post-backward hook): the parameters are no longer needed; the gradient stays where it is (on the
+        flat parameter, where such code reads it, until `reduce_by_hand`)."""
         handle.training_state = HandleTrainingState.BACKWARD_POST
         if handle.uses_buffer:
             self._reshard(handle)

@@ -7,6 +7,8 @@ FSDP2, a plain module), a helper answers NOT_OURS and the switch calls torch's o
     _runtime_utils._reshard(state, handle, free)           reshard it again (DINOv2, audiocraft, EMA swaps)
     _runtime_utils._post_backward_hook(state, handle, ...) reduce a unit's gradient by hand (Galvatron, after no_sync)
     _runtime_utils._post_backward_final_callback(state, m) and end that backward: reductions done, units resharded
+    _runtime_utils._register_pre_backward_hooks(...)       the runtime's steps, which it calls through torch's names
+    _runtime_utils._register_post_backward_hook(s, handle) when code wraps them (runtime_names.py), and
     _runtime_utils._post_backward_reshard(state, handle)   the pieces of torch's hook, for code that runs its own copy
     _runtime_utils._reduce_grad / _reduce_grad_no_shard    of it (Galvatron): reshard, then reduce `flat_param.grad`
     _runtime_utils._low_precision_hook_enabled(state)      whether the unit's comm hook reduces in fp16 / bf16
@@ -142,7 +144,25 @@ def _post_backward_final_callback(state: Any, module: nn.Module) -> Any:
 def _post_backward_reshard(state: Any, handle: Any, *unused: Any) -> Any:
     """Reshard a unit whose gradient is complete, leaving the unsharded gradient on the flat parameter for the
     `_reduce_grad` that follows (the order of torch's post-backward hook, which Galvatron copies)."""
-    return _by_hand(state, handle, lambda runtime, one: runtime.reshard_by_hand(one))
+    return _by_hand(state, handle, lambda runtime, one: runtime.reshard_after_backward(one))
+
+
+def _register_pre_backward_hooks(state: Any, module: nn.Module, outputs: Any, handle: Any) -> Any:
+    """The unit's pre-backward hooks on the forward outputs that require grad; returns the outputs. The runtime calls
+    it through torch's name when code has wrapped that (runtime_names.py)."""
+    if not isinstance(state, FullyShardedDataParallel):
+        return NOT_OURS
+    return state._lazy_init().register_pre_backward_hooks(state, outputs)
+
+
+def _register_post_backward_hook(state: Any, handle: Any) -> Any:
+    """The hook that reduces the handle's gradient once it has accumulated (once: ours stays registered across
+    forwards, where torch's re-registers it each forward). Called through torch's name like the one above."""
+    if not isinstance(state, FullyShardedDataParallel) or not (handle is None or isinstance(handle, FlatParamHandle)):
+        return NOT_OURS
+    if handle is not None:
+        state._hook_post_backward(handle)
+    return None
 
 
 def _reduce_grad(state: Any, handle: Any) -> Any:

@@ -11,9 +11,9 @@ torch's FSDP1, once with ours through the switch (`fsdp_legacy.install()`), so t
 only torch's modules, builds the model and reads the internals. The oracle is torch's FSDP1: both runs must give the
 same observations, and the observations must show what torch's test asserts.
 
-Not mirrored (they need CUDA, or observe torch's private functions being called, which ours never calls):
-device_id / CUDA placement, `_register_pre_backward_hooks` / `_post_backward_reshard` call counts (the fine-tune
-mirror observes the resharding itself instead), `FlatParamHandle._use_unsharded_views` patching (the core mirror
+Not mirrored here: device_id / CUDA placement (CUDA), the `_register_pre_backward_hooks` /
+`_register_post_backward_hook` / `_post_backward_reshard` call counts (test_torch_internal_runtime_names.py: the
+runtime calls those steps through torch's names), `FlatParamHandle._use_unsharded_views` patching (the core mirror
 observes the tensor views themselves instead).
 test_fsdp_misc's test_unsafe_setattr (`_flat_param._FSDP_USE_UNSAFE_SETATTR`) is mirrored in
 test_torch_internal_setattr.py.
