@@ -1,10 +1,10 @@
-"""Patches of torch's private FSDP1 functions and methods, as libraries apply them: ColossalAI's FP8 all-gather
-replaces `FlatParamHandle._all_gather_flat_param`, Galvatron `_runtime_utils._finalize_params` (its replacement of
+"""Patches of torch's private FSDP1 functions and methods, as libraries apply them: ColossalAI's FP8 all-gather replaces
+`FlatParamHandle._all_gather_flat_param`, Galvatron `_runtime_utils._finalize_params` (its replacement of
 `_register_post_backward_hook` runs: the runtime calls that step through torch's name, see
-test_torch_internal_runtime_names), ByteCheckpoint `_state_dict_utils._full_post_state_dict_hook`, an ODC-style
-gradient service `_runtime_utils._reduce_grad` and `FlatParamHandle.prepare_gradient_for_optim`. Under the switch
-their code runs on ours, which never calls torch's functions: a warning at the root's lazy init names each replacement once, rather than a
-silent no-op; training is as without the patch. Nothing is said when nothing was replaced."""
+test_torch_internal_runtime_names), ByteCheckpoint `_state_dict_utils._full_post_state_dict_hook`, an ODC-style gradient
+service `_runtime_utils._reduce_grad` and `FlatParamHandle.prepare_gradient_for_optim`. Under the switch their code runs
+on ours, which never calls torch's functions: a warning at the root's lazy init names each replacement once, rather than
+a silent no-op; training is as without the patch. Nothing is said when nothing was replaced."""
 
 from __future__ import annotations
 
