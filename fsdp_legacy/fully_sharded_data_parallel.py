@@ -273,18 +273,24 @@ class FullyShardedDataParallel(TorchUnitNames, FSDPUnit):
                 handle.adopt_replaced_flat_param()
         return runtime
 
-    def _cast_buffers(self) -> None:
+    def _cast_buffers(self, full_precision: bool = False) -> None:
         """MixedPrecision.buffer_dtype: this unit's floating-point buffers are kept in that dtype from the first
-        forward on, as torch FSDP1 does."""
+        forward on, as torch FSDP1 does; in their original dtypes while `full_precision` (eval mode with
+        FSDP_USE_FULL_PREC_IN_EVAL=1, where torch's casts them back, and again to buffer_dtype in train mode)."""
         dtype = self.mixed_precision.buffer_dtype
         if dtype is None:
             return
         wrapped = self._fsdp_wrapped_module
         for path, sub in iter_unit_modules(wrapped, self._is_boundary_for(wrapped)):
             for name, buffer in sub._buffers.items():
-                if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
-                    self._buffer_dtypes[f"{path}.{name}" if path else name] = buffer.dtype
-                    sub._buffers[name] = buffer.to(dtype)
+                if buffer is None or not buffer.is_floating_point():
+                    continue
+                key = f"{path}.{name}" if path else name
+                if key not in self._buffer_dtypes and buffer.dtype != dtype:
+                    self._buffer_dtypes[key] = buffer.dtype  # first seen: its original dtype
+                target = self._buffer_dtypes.get(key, dtype) if full_precision else dtype
+                if buffer.dtype != target:
+                    sub._buffers[name] = buffer.to(target)
 
     @property
     def params(self) -> list[FlatParameter]:

@@ -162,7 +162,11 @@ class Runtime:
                     if handle.unshard_work is not None or handle.kept_gathered or handle.kept_for_backward:
                         self._reshard(handle)
         # torch FSDP1's switch: in eval mode, mixed-precision units compute in full precision.
-        self.full_precision_eval = not self.root.training and full_precision_eval_requested()
+        full_precision_eval = not self.root.training and full_precision_eval_requested()
+        if full_precision_eval != self.full_precision_eval:  # buffers too, as torch's (back in train mode)
+            for unit in self.units:
+                unit._cast_buffers(full_precision_eval)
+        self.full_precision_eval = full_precision_eval
         for unit in self.units:
             for handle in unit._handles:
                 handle.select_precision(self.full_precision_eval)

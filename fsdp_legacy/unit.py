@@ -81,6 +81,10 @@ class FSDPUnit(nn.Module, _State):
         """Register the hook that reduces `handle`'s gradient, once its flat parameter requires grad (the wrapper's)."""
         raise NotImplementedError
 
+    def _cast_buffers(self, full_precision: bool = False) -> None:
+        """Cast the floating-point buffers to MixedPrecision.buffer_dtype, or back to their own (the wrapper's)."""
+        raise NotImplementedError
+
     @property
     def _handle(self) -> FlatParamHandle | None:
         """torch's name: the unit's (first) handle, None when it manages no parameter."""
