@@ -12,8 +12,6 @@ A unit whose parameters differ in dtype has one handle per dtype; each is what i
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import auto
 from typing import Any
 
 import torch
@@ -23,7 +21,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives as comm
-from .api import FSDPEnum
 from .flat_param import (
     FlatParameter,
     FlatParamLayout,
@@ -34,6 +31,7 @@ from .flat_param import (
     flatten,
 )
 from .flat_param_grads import FlatParamGrads
+from .handle_state import HandleTrainingState, Summoned
 from .handle_torch_names import TorchHandleNames
 from .module_setattr import overrides_setattr, show, unsafe_setattr
 from .naming import FLAT_PARAM
@@ -45,24 +43,6 @@ from .tensor_parallel import DTensorParam, local_tensor
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
 # units) fails with a clear message instead of silently owning a stale copy.
 FLATTENED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-class HandleTrainingState(FSDPEnum):
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD_PRE = auto()
-    BACKWARD_POST = auto()
-    SUMMON_FULL_PARAMS = auto()
-
-
-@dataclass
-class Summoned:
-    """What summon_full_params shows of a handle: the whole flat tensor in full precision (None on the ranks a
-    rank0_only summon leaves sharded), which the shown parameters view and writeback reads; `_apply` inside the
-    summon (`.to`, `.half`) replaces it by its converted copy, as it replaces torch's unsharded flat parameter."""
-
-    full: torch.Tensor | None
-    rank0_only: bool
 
 
 # Each mixin declares the methods it uses of the others as stubs, so it must come after those that define them.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from enum import Enum, auto
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,10 +21,8 @@ from torch import nn
 
 from .api import FSDPEnum, full_precision_eval_requested
 from .flat_param import FlatParameter, FlatParamLayout, ParamInfo
+from .handle_state import HandleTrainingState
 from .orig_param_grads import assign_grad
-
-if TYPE_CHECKING:
-    from .handle import HandleTrainingState
 
 
 class HandleShardingStrategy(FSDPEnum):

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fsdp_legacy from the checkout
-from bench_checkpoint import Block, build, free_port
+from checkpoint_bench_model import Block, build, free_port
 from process_exit import exit_now
 
 MARK_BEGIN, MARK_END = "<!-- bench_async_save:begin -->", "<!-- bench_async_save:end -->"

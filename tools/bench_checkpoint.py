@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -42,24 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
+from checkpoint_bench_model import Block, build, free_port
 from process_exit import exit_now
 
 MARK_BEGIN, MARK_END = "<!-- bench_checkpoint:begin -->", "<!-- bench_checkpoint:end -->"
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(x))
-
-
-def build(layers: int, width: int) -> nn.Module:
-    return nn.Sequential(*(Block(width) for _ in range(layers)))
 
 
 def _status(field: str) -> int:
@@ -179,12 +165,6 @@ def _broadcast_from_rank0(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         dist.broadcast(tensor, src=0)
         out[key] = tensor
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(impl: str, workdir: str, layers: int, width: int) -> list[dict]:
