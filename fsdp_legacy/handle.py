@@ -37,7 +37,7 @@ from .module_setattr import overrides_setattr, show, unsafe_setattr
 from .naming import FLAT_PARAM
 from .orig_param_grads import OrigParamGrads
 from .orig_param_views import OrigParamViews
-from .storage import alloc_storage, free_storage, freed_tensor
+from .storage import alloc_storage, free_storage, freed_tensor, same_memory
 from .tensor_parallel import DTensorParam, local_tensor
 
 # Every parameter already flattened into some unit -> where, so that a second unit reaching it (tied weights across
@@ -234,7 +234,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         data, shard = self.flat_param.data, self.local_shard
         if self.is_unsharded and self.uses_buffer:
             return  # only at rest is .data the local shard
-        if data.dtype == shard.dtype and data.is_set_to(shard):
+        if data.dtype == shard.dtype and same_memory(data, shard):
             return
         if data.shape != shard.shape:
             raise ValueError(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .flat_param import FlatParamLayout, ParamInfo, ShardPiece
+from .storage import same_memory
 from .tensor_parallel import local_tensor
 
 
@@ -80,7 +81,7 @@ class OrigParamViews:
             if current is not param:  # a new Parameter replaces the original (its gradient is not carried over)
                 self.orig_params[info] = param = current
             expected = self._local_view(self.local_shard, info)
-            if not param.data.is_set_to(expected) and (param.numel() or expected.numel()):
+            if not same_memory(param.data, expected) and (param.numel() or expected.numel()):
                 _check_writeback_shape(param, expected, "parameter", self.sharded)
                 expected.copy_(param.data.reshape(expected.shape))
                 param.data = expected

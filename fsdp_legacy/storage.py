@@ -24,3 +24,14 @@ def alloc_storage(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     if storage.size() != nbytes:
         storage.resize_(nbytes)
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a.is_set_to(b)`: the same storage, offset, shape and strides. Compared here because is_set_to has no meta
+    kernel: under FakeTensorMode (the memory estimator) each call ran it on real zero-filled tensors of their size."""
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )

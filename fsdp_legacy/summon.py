@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .handle import FlatParamHandle, HandleTrainingState, Summoned
+from .storage import same_memory
 from .unit import FSDPUnit, TrainingState
 
 
@@ -119,7 +120,7 @@ def adopt_summoned_conversion(handle: FlatParamHandle) -> bool:
     if summoned is None or summoned.full is None or not handle.sharded:
         return False
     data = handle.flat_param.data
-    if data.is_set_to(summoned.full[: handle.layout.numel]):
+    if same_memory(data, summoned.full[: handle.layout.numel]):
         return True  # unchanged (`.to()` of the device and dtype it has already)
     summoned.full = data
     for info, param in handle.orig_params.items():
