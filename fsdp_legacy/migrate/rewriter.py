@@ -15,12 +15,14 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import apply_call, configs, construction, optim_state, summon, unwrap
+from . import apply_call, configs, construction, optim_state, precision, summon, unwrap
 from .bindings import Bindings
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .leftovers import LeftoverFinder
 from .manual_wrap import ManualWrap
 from .names import advice, fsdp1_name
+from .removal import RemoveStatements as _RemoveStatements
+from .removal import bare as _bare
 from .reorder import Placed, bound_names, names_in, reorder
 from .report import Finding, MigrationResult
 from .state_dict_type import BLOCK, SetTypes, TypeOptions
@@ -81,6 +83,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.constructions: dict[int, Placed] = {}  # id(first new statement) -> what it shards
         self.checkpointing: dict[int, str] = {}  # id(statement applying activation checkpointing) -> its model
         self.summons: dict[cst.With, cst.Call] = {}  # summon_full_params blocks that only read -> full_params(...)
+        self._precision_uses: dict[cst.CSTNode, bool] | None = None
         self._alive: list[cst.CSTNode] = []  # every node whose id() keys one of the dicts above (see _key)
 
     # -- helpers -------------------------------------------------------------------------------------------------
@@ -218,7 +221,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def _construction(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, target: str, call: cst.Call
     ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
-        built = construction.build(target, call, self.code, self.fsdp1, self.value_of, self.survey.meta)
+        built = self._build(target, call)
         self.consumed.add(call)
         if built.problems:
             for problem in built.problems:
@@ -403,12 +406,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         name = self.fsdp1(original.func)
         rewritten: cst.BaseExpression | None = None
         if name == "MixedPrecision":
-            policy, _, refused = construction.mixed_precision_policy(original, self.code)
-            if refused:
-                self.report(original, f"MixedPrecision({', '.join(refused)})", *_NO_COUNTERPART)
+            _, buffer_dtype, refused = construction.mixed_precision_policy(original, self.code)
+            used = self._precision().get(original)  # None: no FSDP(...) of the file takes it
+            if refused or used is False or (buffer_dtype is not None and used is None):
+                self.report(original, f"MixedPrecision({', '.join(refused) or '...'})", *precision.kept(refused, used))
                 return updated
             self.need(FSDP2, "MixedPrecisionPolicy")
-            rewritten = self.expr(policy)
+            rewritten = precision.policy_call(updated)
         elif name == "CPUOffload":
             rewritten = self._cpu_offload(original)
         elif optim_state.api_of(name) is not None:
@@ -436,6 +440,23 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             return updated
         self.consumed.add(original)
         return rewritten
+
+    def _precision(self) -> dict[cst.CSTNode, bool]:
+        """The MixedPrecision values FSDP(...) calls take -> whether all of those become fully_shard (a dry run)."""
+        if self._precision_uses is None:
+            built = [
+                (
+                    call,
+                    call in self.survey.constructions
+                    and not self._build(self.survey.constructions[call], call).problems,
+                )
+                for call in self.survey.fsdp_calls
+            ]
+            self._precision_uses = precision.uses(built, self.value_of)
+        return self._precision_uses
+
+    def _build(self, target: str, call: cst.Call) -> construction.Construction:
+        return construction.build(target, call, self.code, self.fsdp1, self.value_of, self.survey.meta)
 
     def _apply(
         self, original: cst.Call, mapped: apply_call.Mapped, left: cst.Call | None = None
@@ -534,27 +555,6 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             self._need_helpers("set_model_state_dict")
             return self.expr(f"set_model_state_dict({receiver}, {args[0]}, options={options})")
         return None
-
-
-def _bare(statement: cst.SimpleStatementLine) -> str:
-    return cst.Module([]).code_for_node(statement.with_changes(leading_lines=[])).strip()
-
-
-class _RemoveStatements(cst.CSTTransformer):
-    """Takes out the statements with the given code: a policy assignment is left before the construction that
-    makes it dead is reached."""
-
-    def __init__(self, codes: set[str]) -> None:
-        super().__init__()
-        self.codes = codes
-
-    def leave_SimpleStatementLine(
-        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
-    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-        return cst.RemovalSentinel.REMOVE if _bare(updated) in self.codes else updated
-
-
-_NO_COUNTERPART = ("FSDP2's MixedPrecisionPolicy has no counterpart", "set it per module by hand, or drop it")
 
 
 def migrate_source(source: str) -> MigrationResult:
