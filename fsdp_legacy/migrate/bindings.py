@@ -4,6 +4,7 @@ second assignment, `global` in another function) leaves the name unresolved."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -43,3 +44,17 @@ class Bindings:
         if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
             return None
         return Binding(statement, assign.value, tuple(access.node for access in assignment.references))
+
+    def count_in_scope(self, name: str, node: cst.CSTNode) -> int:
+        """How often `name` occurs in the function (or module) holding `node`, functions inside it included."""
+        scope: cst.CSTNode | None = node
+        while scope is not None and not isinstance(scope, (cst.FunctionDef, cst.Module)):
+            scope = self.parents.get(scope)
+        found = Counter[str]()
+
+        class _Count(cst.CSTVisitor):
+            def visit_Name(self, n: cst.Name) -> None:
+                found[n.value] += 1
+
+        (scope or node).visit(_Count())
+        return found[name]

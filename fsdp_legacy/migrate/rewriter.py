@@ -6,7 +6,6 @@ torch.distributed.checkpoint.state_dict's helpers. What is not mapped stays as i
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass
 from typing import cast
 
@@ -25,6 +24,7 @@ from .removal import RemoveStatements as _RemoveStatements
 from .removal import bare as _bare
 from .reorder import Placed, bound_names, names_in, reorder
 from .report import Finding, MigrationResult
+from .sharded_resume import LOADER, ShardedResume
 from .state_dict_type import BLOCK, SetTypes, TypeOptions
 from .survey import Survey, is_checkpointing
 from .type_blocks import Plan, Readers, TypeBlocks
@@ -55,10 +55,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         set_types: SetTypes,
         wraps: ManualWrap,
         plan: Plan,
+        resume: ShardedResume,
         context: CodemodContext,
     ) -> None:
         super().__init__()
         self.plan = plan  # the state_dict_type blocks taken away, and their configs (type_blocks.py)
+        self.resume = resume  # load_sharded_optimizer_state_dict's recipe (sharded_resume.py)
+        self.resume_defs: dict[int, cst.SimpleStatementLine] = {}  # id(statement) -> as read, where it may go
         self.module = module
         self.survey = survey
         self.set_types = set_types  # set_state_dict_type followed through the file (state_dict_type.py)
@@ -120,6 +123,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if len(original.body) != 1:
             return updated
         small = original.body[0]
+        if original in self.resume.plans:
+            self.resume_defs[self._key(updated)] = original
         config = self.plan.configs.get(original)
         if config is not None:  # a config of blocks taken away: out, or built as StateDictOptions at run time
             updated = self._config(updated, config)
@@ -171,7 +176,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
         if options is None:
             return  # the model's state-dict type is left to a person (reported)
-        uses = self._count_in_scope(name, original)
+        uses = self.resume.bindings.count_in_scope(name, original)
         if uses != 2:  # the assignment and the load
             why = (
                 f"`{name}` is never used"
@@ -188,20 +193,6 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         stale entry match an unrelated statement (dropped or moved, at random)."""
         self._alive.append(node)
         return id(node)
-
-    def _count_in_scope(self, name: str, node: cst.CSTNode) -> int:
-        """How often `name` occurs in the function (or module) holding `node`, functions inside it included."""
-        scope: cst.CSTNode | None = node
-        while scope is not None and not isinstance(scope, (cst.FunctionDef, cst.Module)):
-            scope = self.get_metadata(ParentNodeProvider, scope, None)
-        found = Counter[str]()
-
-        class _Count(cst.CSTVisitor):
-            def visit_Name(self, n: cst.Name) -> None:
-                found[n.value] += 1
-
-        (scope or node).visit(_Count())
-        return found[name]
 
     def _checkpointing(self, call: cst.Call, statement: cst.BaseStatement) -> None:
         """Note a statement that applies activation checkpointing to a model (reorder.py may move it)."""
@@ -259,6 +250,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         """A block's statements once its own have been rewritten: to-load calls paired with their loads, statements
         taken out (their comments kept), and the moves around constructions made."""
         self._pair_loads(body)
+        body = [new for statement in body for new in self._resumed(statement)]
         kept: list[cst.BaseStatement] = []
         carried: list[cst.EmptyLine] = []
         for statement in body:
@@ -272,6 +264,17 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if carried or (body and not kept):  # (a block emptied by the rewrite; an empty file stays empty)
             kept.append(cst.SimpleStatementLine([cst.Pass()], leading_lines=carried))
         return reorder(kept, self.constructions, self.checkpointing, self.code)
+
+    def _resumed(self, statement: cst.BaseStatement) -> list[cst.BaseStatement]:
+        """A mapped load_sharded_optimizer_state_dict(...) as FSDP2's load (sharded_resume.py)."""
+        original = self.resume_defs.get(id(statement))
+        new = self.resume.statements(original) if original is not None else None
+        if new is None or original is None:
+            return [statement]
+        self._need_helpers("get_optimizer_state_dict")
+        self.need("torch.distributed.checkpoint")
+        RemoveImportsVisitor.remove_unused_import(self.context, self.resume.plans[original].module, LOADER)
+        return [_with_leading(new[0], cast(cst.SimpleStatementLine, statement).leading_lines), *new[1:]]
 
     def _pair_loads(self, body: list[cst.BaseStatement]) -> None:
         """`name = FSDP.<to-load API>(...)` and, later in the block, `optim.load_state_dict(name)` become one
@@ -296,10 +299,12 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 self.report(pending.call, what, why, optim_state.Refusal("", "").fix)
 
     def _pair(self, pending: _PendingLoad, optimizer: str, body: list[cst.BaseStatement], at: int, load: int) -> bool:
-        code = optim_state.load_code(pending.loading, optimizer, pending.options)
+        refused = self.resume.check(pending.call, pending.options)
+        code = refused or optim_state.load_code(pending.loading, optimizer, pending.options)
         if isinstance(code, optim_state.Refusal):
             self.report(pending.call, code.what, code.why, code.fix)
             return False
+        self.resume.loaded(pending.call, pending.loading.model, optimizer, pending.options)
         self._need_load(code)
         old = cast(cst.SimpleStatementLine, body[load])
         new = cast(cst.SimpleStatementLine, cst.parse_statement(code + "\n"))
@@ -413,8 +418,9 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 return updated
             self.need(FSDP2, "MixedPrecisionPolicy")
             rewritten = precision.policy_call(updated)
-        elif name == "CPUOffload":
-            rewritten = self._cpu_offload(original)
+        elif name == "CPUOffload" and construction.offload_policy(original, self.code):
+            self.need(FSDP2, construction.offload_policy(original, self.code))
+            rewritten = self.expr(f"{construction.offload_policy(original, self.code)}()")
         elif optim_state.api_of(name) is not None:
             rewritten = self._optim_call(cast(str, optim_state.api_of(name)), original)
         elif name == apply_call.API:
@@ -468,14 +474,6 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.need(RUNTIME, apply_call.HELPER)
         return mapped
 
-    def _cpu_offload(self, call: cst.Call) -> cst.BaseExpression | None:
-        flags = [(a.keyword.value if a.keyword else "offload_params", self.code(a.value)) for a in call.args]
-        if len(flags) > 1 or any(k != "offload_params" or v not in ("True", "False") for k, v in flags):
-            return None
-        offload = bool(flags) and flags[0][1] == "True"
-        self.need(FSDP2, "CPUOffloadPolicy" if offload else "OffloadPolicy")
-        return self.expr("CPUOffloadPolicy()" if offload else "OffloadPolicy()")
-
     def _optim_call(self, api: str, call: cst.Call) -> cst.BaseExpression | None:
         """An optimizer-state call in an expression (optim_state.py): a save or a re-keying; the to-load calls are
         rewritten with the load_state_dict call that takes their result."""
@@ -507,10 +505,11 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
             if options is None:
                 return None  # the model's state-dict type is left to a person (reported)
-            code = optim_state.load_code(loading, optimizer, options)
+            code = self.resume.check(call, options) or optim_state.load_code(loading, optimizer, options)
         if isinstance(code, optim_state.Refusal):
             self.report(call, code.what, code.why, code.fix)
             return None
+        self.resume.loaded(call, cast(optim_state.Load, loading).model, optimizer, cast(str, options))
         self.consumed.add(call)
         self._need_load(code)
         return self.expr(code)
@@ -570,10 +569,13 @@ def migrate_source(source: str) -> MigrationResult:
     wrapper.visit(wraps)
     blocks = TypeBlocks(code, bindings)
     wrapper.visit(blocks)
+    resume = ShardedResume(code, bindings)
+    wrapper.visit(resume)
     keep: dict[cst.With, str] = {}
     while True:  # each round keeps the blocks whose calls the last one could not all rewrite
         context = CodemodContext()
-        transformer = Fsdp1ToFsdp2(wrapper.module, survey, set_types, wraps, blocks.plan(keep), context)
+        resume.done.clear()
+        transformer = Fsdp1ToFsdp2(wrapper.module, survey, set_types, wraps, blocks.plan(keep), resume, context)
         tree = wrapper.visit(transformer)
         readers = Readers(transformer.removed_blocks, transformer.consumed - transformer.reported, code)
         wrapper.visit(readers)
