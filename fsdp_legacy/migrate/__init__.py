@@ -2,12 +2,15 @@
 
 rewriter.py drives one file through the LibCST transformer, after survey.py has read the whole file: construction.py
 maps `FSDP(...)`, manual_wrap.py `enable_wrap`/`wrap`, summon.py summon_full_params blocks, state_dict_type.py the
-state-dict types (blocks, and set_state_dict_type followed through the file), optim_state.py the optimizer-state API
-(legacy calls included), apply_call.py FSDP1's `apply`, reorder.py moves statements around a construction, names.py
-knows the FSDP1 names; report.py words what could not be mapped. runtime.py (with optim_runtime.py) holds the helpers
-migrated programs import: apply_fully_shard (an FSDP1 auto-wrap policy's units sharded with `fully_shard`, meta
-modules materialized as FSDP1 does), full_params (summon_full_params for reading), apply_full (FSDP1's apply),
+state-dict types (set_state_dict_type followed through the file; type_blocks.py which blocks go, configs.py their
+configs, bindings.py names followed to their one assignment), optim_state.py the optimizer-state API (legacy calls
+included; sharded_resume.py the DCP recipe's load_sharded_optimizer_state_dict), precision.py standalone
+MixedPrecision policies, apply_call.py FSDP1's `apply`, reorder.py moves statements around a construction, names.py
+knows the FSDP1 names; report.py words what could not be mapped. runtime.py (with optim_runtime.py) holds the
+helpers migrated programs import: apply_fully_shard (an FSDP1 auto-wrap policy's units sharded with `fully_shard`,
+meta modules materialized as FSDP1 does), full_params (summon_full_params for reading), apply_full (FSDP1's apply),
 hybrid_mesh (HYBRID_SHARD's pair of groups as a 2-D mesh), unshared_optim_state and rekey_optim_state_dict (FSDP1's
-optimizer state dicts carried over). Nothing here imports LibCST at import time, so a migrated program needs only
-torch and this package, not the `migrate` extra.
+optimizer state dicts carried over), full_/sharded_state_dict_options (FSDP1's configs built at run time). Nothing
+here imports LibCST at import time, so a migrated program needs only torch and this package, not the `migrate`
+extra.
 """

@@ -87,6 +87,14 @@ def mixed_precision_policy(call: cst.Call, code: Code) -> tuple[str, str | None,
     return f"MixedPrecisionPolicy({', '.join(kept)})", buffer_dtype, refused
 
 
+def offload_policy(call: cst.Call, code: Code) -> str | None:
+    """FSDP2's policy class for a `CPUOffload(...)` standing on its own (offload_params written as a literal)."""
+    flags = [(a.keyword.value if a.keyword else "offload_params", code(a.value)) for a in call.args]
+    if len(flags) > 1 or any(k != "offload_params" or v not in ("True", "False") for k, v in flags):
+        return None
+    return "CPUOffloadPolicy" if flags and flags[0][1] == "True" else "OffloadPolicy"
+
+
 def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolve, meta: bool) -> Construction:
     """The FSDP2 statements for `target = FSDP(...)` (`call`); `meta`: the file names the meta device, so the module
     may be built there and must be materialized as FSDP1 does."""

@@ -6,8 +6,6 @@ torch.distributed.checkpoint.state_dict's helpers. What is not mapped stays as i
 from __future__ import annotations
 
 import re
-from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -16,15 +14,21 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import apply_call, construction, optim_state, summon
+from . import apply_call, configs, construction, optim_state, precision, summon, unwrap
+from .bindings import Bindings
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .leftovers import LeftoverFinder
 from .manual_wrap import ManualWrap
 from .names import advice, fsdp1_name
+from .removal import RemoveStatements as _RemoveStatements
+from .removal import bare as _bare
 from .reorder import Placed, bound_names, names_in, reorder
 from .report import Finding, MigrationResult
-from .state_dict_type import BLOCK, SetTypes, TypeOptions, parse
+from .sharded_resume import LOADER, ShardedResume
+from .state_dict_type import BLOCK, SetTypes, TypeOptions
 from .survey import Survey, is_checkpointing
+from .type_blocks import Plan, Readers, TypeBlocks
+from .unwrap import with_leading as _with_leading
 
 _FSDP = "FullyShardedDataParallel"
 _FULL = "StateDictOptions(full_state_dict=True)"  # FSDP1's default state-dict type: FULL, on every rank
@@ -45,9 +49,19 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ParentNodeProvider)
 
     def __init__(
-        self, module: cst.Module, survey: Survey, set_types: SetTypes, wraps: ManualWrap, context: CodemodContext
+        self,
+        module: cst.Module,
+        survey: Survey,
+        set_types: SetTypes,
+        wraps: ManualWrap,
+        plan: Plan,
+        resume: ShardedResume,
+        context: CodemodContext,
     ) -> None:
         super().__init__()
+        self.plan = plan  # the state_dict_type blocks taken away, and their configs (type_blocks.py)
+        self.resume = resume  # load_sharded_optimizer_state_dict's recipe (sharded_resume.py)
+        self.resume_defs: dict[int, cst.SimpleStatementLine] = {}  # id(statement) -> as read, where it may go
         self.module = module
         self.survey = survey
         self.set_types = set_types  # set_state_dict_type followed through the file (state_dict_type.py)
@@ -56,19 +70,23 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.findings: list[Finding] = [*set_types.findings, *self.wraps.findings]
         # original nodes a rewrite (or a specific finding) accounts for
         self.consumed: set[cst.CSTNode] = {*set_types.left, *self.wraps.consumed}
+        self.reported: set[cst.CSTNode] = set(set_types.left)  # of those, the ones left as written
         for module_name, obj in self.wraps.imports if self.wraps.calls or self.wraps.headers else ():
             self.need(module_name, obj)
         # the state_dict_type blocks around the node: (model, options), None where FSDP2 has no such options
         self.blocks: list[tuple[str, TypeOptions | None]] = []
+        self.removed_blocks: dict[cst.With, str] = {}  # the blocks taken away -> their model (type_blocks.Readers)
         self.kept_blocks: set[cst.With] = set()
         self.unwrap: dict[cst.With, str] = {}  # with-statements to replace by their body: "state_dict", no_sync's model
         self.removed: set[str] = set()  # code of dead policy assignments, taken out by a second pass
         self.load_defs: dict[int, _PendingLoad] = {}  # id(statement) -> the to-load call it assigns
-        self.load_uses: dict[int, tuple[str, str]] = {}  # id(`optim.load_state_dict(name)`) -> (optim, name)
+        # id(`optim.load_state_dict(name)`) -> (optim, name, the call as read)
+        self.load_uses: dict[int, tuple[str, str, cst.Call]] = {}
         self.dropped: dict[int, list[str]] = {}  # id(statement) -> the comments left where it is taken out
         self.constructions: dict[int, Placed] = {}  # id(first new statement) -> what it shards
         self.checkpointing: dict[int, str] = {}  # id(statement applying activation checkpointing) -> its model
         self.summons: dict[cst.With, cst.Call] = {}  # summon_full_params blocks that only read -> full_params(...)
+        self._precision_uses: dict[cst.CSTNode, bool] | None = None
         self._alive: list[cst.CSTNode] = []  # every node whose id() keys one of the dicts above (see _key)
 
     # -- helpers -------------------------------------------------------------------------------------------------
@@ -89,6 +107,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def report(self, node: cst.CSTNode, what: str, why: str, fix: str) -> None:
         self.findings.append(Finding(self.line(node), what, why, fix))
         self.consumed.add(node)
+        self.reported.add(node)
 
     def need(self, module: str, obj: str | None = None) -> None:
         AddImportsVisitor.add_needed_import(self.context, module, obj)
@@ -104,6 +123,11 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if len(original.body) != 1:
             return updated
         small = original.body[0]
+        if original in self.resume.plans:
+            self.resume_defs[self._key(updated)] = original
+        config = self.plan.configs.get(original)
+        if config is not None:  # a config of blocks taken away: out, or built as StateDictOptions at run time
+            updated = self._config(updated, config)
         if original in self.set_types.followed:
             setter, options = self.set_types.followed[original]
             self.consumed.add(setter)
@@ -126,8 +150,19 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 func, args = now.value.func, now.value.args
                 if isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(args) == 1:
                     if isinstance(args[0].value, cst.Name) and not args[0].keyword:
-                        self.load_uses[self._key(updated)] = (self.code(func.value), args[0].value.value)
+                        loaded = small.value
+                        self.load_uses[self._key(updated)] = (self.code(func.value), args[0].value.value, loaded)
         return updated
+
+    def _config(self, updated: cst.SimpleStatementLine, config: configs.Config) -> cst.SimpleStatementLine:
+        assign = cast(cst.Assign, updated.body[0])
+        self.consumed.add(cast(cst.Assign, (config.drop or config.rewrite).statement.body[0]).value)  # type: ignore[union-attr]
+        if config.drop is not None:
+            self.dropped[self._key(updated)] = []
+            return updated
+        self.need(RUNTIME, config.helper)
+        call = cast(cst.Call, assign.value).with_changes(func=cst.Name(config.helper))
+        return updated.with_changes(body=[assign.with_changes(value=call)])
 
     def _load_def(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, name: str, call: cst.Call
@@ -141,7 +176,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
         if options is None:
             return  # the model's state-dict type is left to a person (reported)
-        uses = self._count_in_scope(name, original)
+        uses = self.resume.bindings.count_in_scope(name, original)
         if uses != 2:  # the assignment and the load
             why = (
                 f"`{name}` is never used"
@@ -158,20 +193,6 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         stale entry match an unrelated statement (dropped or moved, at random)."""
         self._alive.append(node)
         return id(node)
-
-    def _count_in_scope(self, name: str, node: cst.CSTNode) -> int:
-        """How often `name` occurs in the function (or module) holding `node`, functions inside it included."""
-        scope: cst.CSTNode | None = node
-        while scope is not None and not isinstance(scope, (cst.FunctionDef, cst.Module)):
-            scope = self.get_metadata(ParentNodeProvider, scope, None)
-        found = Counter[str]()
-
-        class _Count(cst.CSTVisitor):
-            def visit_Name(self, n: cst.Name) -> None:
-                found[n.value] += 1
-
-        (scope or node).visit(_Count())
-        return found[name]
 
     def _checkpointing(self, call: cst.Call, statement: cst.BaseStatement) -> None:
         """Note a statement that applies activation checkpointing to a model (reorder.py may move it)."""
@@ -191,7 +212,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def _construction(
         self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, target: str, call: cst.Call
     ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
-        built = construction.build(target, call, self.code, self.fsdp1, self.value_of, self.survey.meta)
+        built = self._build(target, call)
         self.consumed.add(call)
         if built.problems:
             for problem in built.problems:
@@ -229,6 +250,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         """A block's statements once its own have been rewritten: to-load calls paired with their loads, statements
         taken out (their comments kept), and the moves around constructions made."""
         self._pair_loads(body)
+        body = [new for statement in body for new in self._resumed(statement)]
         kept: list[cst.BaseStatement] = []
         carried: list[cst.EmptyLine] = []
         for statement in body:
@@ -243,6 +265,17 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             kept.append(cst.SimpleStatementLine([cst.Pass()], leading_lines=carried))
         return reorder(kept, self.constructions, self.checkpointing, self.code)
 
+    def _resumed(self, statement: cst.BaseStatement) -> list[cst.BaseStatement]:
+        """A mapped load_sharded_optimizer_state_dict(...) as FSDP2's load (sharded_resume.py)."""
+        original = self.resume_defs.get(id(statement))
+        new = self.resume.statements(original) if original is not None else None
+        if new is None or original is None:
+            return [statement]
+        self._need_helpers("get_optimizer_state_dict")
+        self.need("torch.distributed.checkpoint")
+        RemoveImportsVisitor.remove_unused_import(self.context, self.resume.plans[original].module, LOADER)
+        return [_with_leading(new[0], cast(cst.SimpleStatementLine, statement).leading_lines), *new[1:]]
+
     def _pair_loads(self, body: list[cst.BaseStatement]) -> None:
         """`name = FSDP.<to-load API>(...)` and, later in the block, `optim.load_state_dict(name)` become one
         set_optimizer_state_dict where the load was (the names the call reads not rebound in between)."""
@@ -253,7 +286,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             for later in range(index + 1, len(body)):
                 use = self.load_uses.get(id(body[later]))
                 if use is not None and use[1] == pending.name:
-                    self._pair(pending, use[0], body, index, later)
+                    if self._pair(pending, use[0], body, index, later):
+                        self.consumed.add(use[2])
                     break
                 if pending.names & bound_names(body[later]):
                     break
@@ -264,17 +298,20 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 what = f"`{pending.name} = FSDP.{pending.loading.api}(...)`"
                 self.report(pending.call, what, why, optim_state.Refusal("", "").fix)
 
-    def _pair(self, pending: _PendingLoad, optimizer: str, body: list[cst.BaseStatement], at: int, load: int) -> None:
-        code = optim_state.load_code(pending.loading, optimizer, pending.options)
+    def _pair(self, pending: _PendingLoad, optimizer: str, body: list[cst.BaseStatement], at: int, load: int) -> bool:
+        refused = self.resume.check(pending.call, pending.options)
+        code = refused or optim_state.load_code(pending.loading, optimizer, pending.options)
         if isinstance(code, optim_state.Refusal):
             self.report(pending.call, code.what, code.why, code.fix)
-            return
+            return False
+        self.resume.loaded(pending.call, pending.loading.model, optimizer, pending.options)
         self._need_load(code)
         old = cast(cst.SimpleStatementLine, body[load])
         new = cast(cst.SimpleStatementLine, cst.parse_statement(code + "\n"))
         body[load] = new.with_changes(leading_lines=old.leading_lines, trailing_whitespace=old.trailing_whitespace)
         self.dropped[self._key(body[at])] = []
         self.consumed.add(pending.call)
+        return True
 
     # -- with-blocks: state_dict_type, no_sync and summon_full_params ---------------------------------------------
 
@@ -292,18 +329,20 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 self.consumed.add(call)
             return
         if self.fsdp1(call.func) == BLOCK:
-            options = parse(call, self.code, self.fsdp1, self.value_of)
+            options = self.plan.removed.get(node)  # (type_blocks.py decides)
             if options is not None:
-                for arg in call.args[2:]:  # configs assigned to a name used only here
-                    if isinstance(arg.value, cst.Name):
-                        self._drop_if_dead(arg.value.value)
                 self.blocks.append((options.model, options))
+                self.removed_blocks[node] = options.model
                 self.unwrap[node] = "state_dict"
                 self.consumed.add(node.items[0])
             else:  # the block stays, reported, and the state-dict calls in it with it
                 model = self.code(call.args[0].value) if call.args and not call.args[0].keyword else ""
                 self.blocks.append((model, None))
                 self.kept_blocks.add(node)
+                if node in self.plan.kept:
+                    why = f"it stays: {self.plan.kept[node]}"
+                    fix = "write that call onto get_/set_model_state_dict with StateDictOptions, then migrate again"
+                    self.report(call, "`with FSDP.state_dict_type(...)`", why, fix)
             return
         func = call.func
         if isinstance(func, cst.Attribute) and func.attr.value == "no_sync" and not call.args:
@@ -321,7 +360,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if original in self.kept_blocks:
             self.blocks.pop()
         if original in self.wraps.headers:
-            return self._enable_wrap(original, updated)
+            return unwrap.enable_wrap(updated, *self.wraps.headers[original])
         if original in self.summons:
             self.need(RUNTIME, summon.HELPER)
             note = cst.EmptyLine(comment=cst.Comment(f"{NOTE} summon_full_params (the block only reads)"))
@@ -330,56 +369,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         kind = self.unwrap.get(original)
         if kind is None:
             return updated
-        body = updated.body
-        statements: list[cst.BaseStatement] = (
-            list(body.body)
-            if isinstance(body, cst.IndentedBlock)
-            else [cst.SimpleStatementLine(body=cast(Sequence[cst.BaseSmallStatement], body.body))]
-        )
+        statements = unwrap.body_of(updated)
         if kind == "state_dict":
             self.blocks.pop()
-        else:  # no_sync: FSDP2 accumulates unreduced gradients while gradient sync is off
-            off = cst.parse_statement(f"{kind}.set_requires_gradient_sync(False)  # was: with {kind}.no_sync():\n")
-            on = cst.parse_statement(f"{kind}.set_requires_gradient_sync(True)\n")
-            exits = (cst.Return, cst.Break, cst.Continue, cst.Raise)
-            if any(self._contains(s, exits) for s in statements):
-                trying = cst.Try(
-                    body=cst.IndentedBlock(body=statements), finalbody=cst.Finally(body=cst.IndentedBlock(body=[on]))
-                )
-                statements = [off, trying]
-            else:
-                statements = [off, *statements, on]
+        else:
+            statements = unwrap.no_sync(kind, statements)
         statements[0] = _with_leading(statements[0], list(updated.leading_lines))
         return cst.FlattenSentinel(statements)
-
-    def _enable_wrap(self, original: cst.With, updated: cst.With) -> cst.FlattenSentinel[cst.BaseStatement]:
-        """`with enable_wrap(...):` as `wrap_kwargs = {...}` (and a mesh) followed by its body."""
-        notes, header = self.wraps.headers[original]
-        body = updated.body
-        statements: list[cst.BaseStatement] = [
-            *(cst.parse_module("\n".join(header) + "\n").body if header else ()),
-            *(
-                body.body
-                if isinstance(body, cst.IndentedBlock)
-                else [cst.SimpleStatementLine(body=cast(Sequence[cst.BaseSmallStatement], body.body))]
-            ),
-        ]
-        comments = [cst.EmptyLine(comment=cst.Comment(note)) for note in notes]
-        statements[0] = _with_leading(statements[0], [*updated.leading_lines, *comments])
-        return cst.FlattenSentinel(statements)
-
-    @staticmethod
-    def _contains(node: cst.CSTNode, kinds: tuple[type, ...]) -> bool:
-        found: list[bool] = []
-
-        class _Find(cst.CSTVisitor):
-            def on_visit(self, n: cst.CSTNode) -> bool:
-                if isinstance(n, kinds):
-                    found.append(True)
-                return not isinstance(n, (cst.FunctionDef, cst.ClassDef))
-
-        node.visit(_Find())
-        return bool(found)
 
     def _options(self, model: str, node: cst.Call, optim: bool = False) -> str | None:
         """The StateDictOptions code a state-dict call on `model` takes: its state_dict_type block's, else its
@@ -415,14 +411,16 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         name = self.fsdp1(original.func)
         rewritten: cst.BaseExpression | None = None
         if name == "MixedPrecision":
-            policy, _, refused = construction.mixed_precision_policy(original, self.code)
-            if refused:
-                self.report(original, f"MixedPrecision({', '.join(refused)})", *_NO_COUNTERPART)
+            _, buffer_dtype, refused = construction.mixed_precision_policy(original, self.code)
+            used = self._precision().get(original)  # None: no FSDP(...) of the file takes it
+            if refused or used is False or (buffer_dtype is not None and used is None):
+                self.report(original, f"MixedPrecision({', '.join(refused) or '...'})", *precision.kept(refused, used))
                 return updated
             self.need(FSDP2, "MixedPrecisionPolicy")
-            rewritten = self.expr(policy)
-        elif name == "CPUOffload":
-            rewritten = self._cpu_offload(original)
+            rewritten = precision.policy_call(updated)
+        elif name == "CPUOffload" and construction.offload_policy(original, self.code):
+            self.need(FSDP2, construction.offload_policy(original, self.code))
+            rewritten = self.expr(f"{construction.offload_policy(original, self.code)}()")
         elif optim_state.api_of(name) is not None:
             rewritten = self._optim_call(cast(str, optim_state.api_of(name)), original)
         elif name == apply_call.API:
@@ -449,6 +447,23 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.consumed.add(original)
         return rewritten
 
+    def _precision(self) -> dict[cst.CSTNode, bool]:
+        """The MixedPrecision values FSDP(...) calls take -> whether all of those become fully_shard (a dry run)."""
+        if self._precision_uses is None:
+            built = [
+                (
+                    call,
+                    call in self.survey.constructions
+                    and not self._build(self.survey.constructions[call], call).problems,
+                )
+                for call in self.survey.fsdp_calls
+            ]
+            self._precision_uses = precision.uses(built, self.value_of)
+        return self._precision_uses
+
+    def _build(self, target: str, call: cst.Call) -> construction.Construction:
+        return construction.build(target, call, self.code, self.fsdp1, self.value_of, self.survey.meta)
+
     def _apply(
         self, original: cst.Call, mapped: apply_call.Mapped, left: cst.Call | None = None
     ) -> cst.BaseExpression | None:
@@ -458,14 +473,6 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             return left
         self.need(RUNTIME, apply_call.HELPER)
         return mapped
-
-    def _cpu_offload(self, call: cst.Call) -> cst.BaseExpression | None:
-        flags = [(a.keyword.value if a.keyword else "offload_params", self.code(a.value)) for a in call.args]
-        if len(flags) > 1 or any(k != "offload_params" or v not in ("True", "False") for k, v in flags):
-            return None
-        offload = bool(flags) and flags[0][1] == "True"
-        self.need(FSDP2, "CPUOffloadPolicy" if offload else "OffloadPolicy")
-        return self.expr("CPUOffloadPolicy()" if offload else "OffloadPolicy()")
 
     def _optim_call(self, api: str, call: cst.Call) -> cst.BaseExpression | None:
         """An optimizer-state call in an expression (optim_state.py): a save or a re-keying; the to-load calls are
@@ -498,10 +505,11 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
             if options is None:
                 return None  # the model's state-dict type is left to a person (reported)
-            code = optim_state.load_code(loading, optimizer, options)
+            code = self.resume.check(call, options) or optim_state.load_code(loading, optimizer, options)
         if isinstance(code, optim_state.Refusal):
             self.report(call, code.what, code.why, code.fix)
             return None
+        self.resume.loaded(call, cast(optim_state.Load, loading).model, optimizer, cast(str, options))
         self.consumed.add(call)
         self._need_load(code)
         return self.expr(code)
@@ -528,7 +536,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if method == "apply" and isinstance(func.value, cst.Attribute) and func.value.attr.value == "module":
             if self.code(func.value.value) in self.survey.models:  # FSDP1's wrapped module: left as written
                 return self._apply(original, apply_call.on_wrapped_module(receiver), updated.with_changes(func=func))
-        if receiver not in self.survey.models and original not in self.set_types.governed:
+        in_block = any(model == receiver for model, _ in self.blocks)  # the block's model, a parameter or attribute too
+        if receiver not in self.survey.models and original not in self.set_types.governed and not in_block:
             return None
         if method == "apply":
             return self._apply(original, apply_call.bound(updated, cast(cst.Attribute, updated.func).value, receiver))
@@ -547,45 +556,32 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         return None
 
 
-def _with_leading(statement: cst.BaseStatement, lines: list[cst.EmptyLine]) -> cst.BaseStatement:
-    """`statement` with `lines` (comments, blank lines) above its own."""
-    assert isinstance(statement, (cst.SimpleStatementLine, cst.BaseCompoundStatement))
-    return statement.with_changes(leading_lines=[*lines, *statement.leading_lines])
-
-
-def _bare(statement: cst.SimpleStatementLine) -> str:
-    return cst.Module([]).code_for_node(statement.with_changes(leading_lines=[])).strip()
-
-
-class _RemoveStatements(cst.CSTTransformer):
-    """Takes out the statements with the given code: a policy assignment is left before the construction that
-    makes it dead is reached."""
-
-    def __init__(self, codes: set[str]) -> None:
-        super().__init__()
-        self.codes = codes
-
-    def leave_SimpleStatementLine(
-        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
-    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-        return cst.RemovalSentinel.REMOVE if _bare(updated) in self.codes else updated
-
-
-_NO_COUNTERPART = ("FSDP2's MixedPrecisionPolicy has no counterpart", "set it per module by hand, or drop it")
-
-
 def migrate_source(source: str) -> MigrationResult:
     """Rewrite one file's text; the findings are what is left to a person, by line of `source`."""
     wrapper = MetadataWrapper(cst.parse_module(source))
+    code = wrapper.module.code_for_node
     survey = Survey()
     wrapper.visit(survey)
-    set_types = SetTypes(wrapper.module.code_for_node, survey.value_of)
+    bindings = Bindings(wrapper)
+    set_types = SetTypes(code, bindings)
     wrapper.visit(set_types)
-    wraps = ManualWrap(wrapper.module.code_for_node, survey.value_of)
+    wraps = ManualWrap(code, survey.value_of)
     wrapper.visit(wraps)
-    context = CodemodContext()
-    transformer = Fsdp1ToFsdp2(wrapper.module, survey, set_types, wraps, context)
-    tree = wrapper.visit(transformer)
+    blocks = TypeBlocks(code, bindings)
+    wrapper.visit(blocks)
+    resume = ShardedResume(code, bindings)
+    wrapper.visit(resume)
+    keep: dict[cst.With, str] = {}
+    while True:  # each round keeps the blocks whose calls the last one could not all rewrite
+        context = CodemodContext()
+        resume.done.clear()
+        transformer = Fsdp1ToFsdp2(wrapper.module, survey, set_types, wraps, blocks.plan(keep), resume, context)
+        tree = wrapper.visit(transformer)
+        readers = Readers(transformer.removed_blocks, transformer.consumed - transformer.reported, code)
+        wrapper.visit(readers)
+        if not readers.found:
+            break
+        keep.update(readers.found)
     if transformer.removed:
         tree = tree.visit(_RemoveStatements(transformer.removed))
     if tree.code != source:

@@ -8,7 +8,8 @@ are FSDP1's. `full_params` is FSDP1's `summon_full_params` for code that reads: 
 dtype (not the mixed-precision one `FSDPModule.unshard()` gives), are put on the modules for the block.
 `apply_full` is FSDP1's `apply`: `fn` runs on the full parameters and what it changes in place reaches the shards.
 `hybrid_mesh` is FSDP1's HYBRID_SHARD pair of process groups as FSDP2's 2-D mesh; `unshared_optim_state` and
-`rekey_optim_state_dict` carry FSDP1's optimizer state dicts over (optim_runtime.py)."""
+`rekey_optim_state_dict` carry FSDP1's optimizer state dicts over (optim_runtime.py); `full_state_dict_options` and
+`sharded_state_dict_options` build FSDP1's state-dict configs as StateDictOptions at run time (options_runtime.py)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,16 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..wrap import LegacyPolicy, _Policy, auto_wrap
 from .optim_runtime import rekey_optim_state_dict, unshared_optim_state
+from .options_runtime import full_state_dict_options, sharded_state_dict_options
 
 __all__ = [
     "apply_full",
     "apply_fully_shard",
     "full_params",
+    "full_state_dict_options",
     "hybrid_mesh",
     "rekey_optim_state_dict",
+    "sharded_state_dict_options",
     "unshared_optim_state",
 ]
 

@@ -16,6 +16,9 @@ from typing import cast
 import libcst as cst
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
+from . import configs
+from .bindings import Bindings
+from .configs import Config
 from .names import fsdp1_name
 from .reorder import bound_names, names_in
 from .report import Finding
@@ -30,21 +33,23 @@ _PARAMS = ("module", "state_dict_type", "state_dict_config", "optim_state_dict_c
 
 Code = Callable[[cst.CSTNode], str]
 Fsdp1 = Callable[[cst.CSTNode], "str | None"]
-Resolve = Callable[[cst.BaseExpression], cst.BaseExpression]
 
 
 @dataclass(frozen=True)
 class TypeOptions:
-    """A state-dict type for one model, as the StateDictOptions code of its model and optimizer calls."""
+    """A state-dict type for one model, as the StateDictOptions code of its model and optimizer calls, and what
+    becomes of the configs it was given as names (configs.py)."""
 
     model: str
     model_options: str
     optim_options: str
+    full: bool = False
+    configs: tuple[Config, ...] = ()
 
 
-def parse(call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolve) -> TypeOptions | None:
+def parse(call: cst.Call, code: Code, fsdp1: Fsdp1, bindings: Bindings | None = None) -> TypeOptions | None:
     """The options of `FSDP.state_dict_type(model, type, config, optim_config)` (or set_state_dict_type's) when FSDP2
-    has them (FULL with rank0_only and offload_to_cpu alike, SHARDED); None otherwise."""
+    has them (FULL, SHARDED); None otherwise. Without `bindings`, only configs written inline with literal values."""
     args: dict[str, cst.BaseExpression] = {}
     for index, arg in enumerate(call.args):
         if arg.star:
@@ -55,36 +60,17 @@ def parse(call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolve) -> TypeOpt
     if "module" not in args or kind not in ("StateDictType.FULL_STATE_DICT", "StateDictType.SHARDED_STATE_DICT"):
         return None
     full = kind == "StateDictType.FULL_STATE_DICT"
-    options = []
+    found = []
     # FSDP1's default offload_to_cpu: off for the model's configs, on for the optimizer's.
     for key, cls, offload_default in (
         ("state_dict_config", "FullStateDictConfig" if full else "ShardedStateDictConfig", False),
         ("optim_state_dict_config", "FullOptimStateDictConfig" if full else "ShardedOptimStateDictConfig", True),
     ):
-        flags = _config(args.get(key), cls, fsdp1, resolve)
-        if flags is None:
+        config = configs.read(args.get(key), cls, offload_default, fsdp1, bindings)
+        if config is None:
             return None
-        # DSD's full + cpu_offload is FSDP1's rank0_only (on the CPU); its full alone is every rank's copy on the
-        # device, where FSDP1's offload_to_cpu put it on the CPU: the same values either way.
-        offload = flags.get("rank0_only", False) if full else flags.get("offload_to_cpu", offload_default)
-        settings = (["full_state_dict=True"] if full else []) + (["cpu_offload=True"] if offload else [])
-        options.append(f"StateDictOptions({', '.join(settings)})")
-    return TypeOptions(code(args["module"]), options[0], options[1])
-
-
-def _config(node: cst.BaseExpression | None, cls: str, fsdp1: Fsdp1, resolve: Resolve) -> dict[str, bool] | None:
-    if node is None or (isinstance(node, cst.Name) and node.value == "None"):
-        return {}
-    node = resolve(node)
-    if not isinstance(node, cst.Call) or fsdp1(node.func) != cls:
-        return None
-    flags: dict[str, bool] = {}
-    for arg in node.args:
-        value = {"True": True, "False": False}.get(arg.value.value) if isinstance(arg.value, cst.Name) else None
-        if arg.keyword is None or value is None or arg.keyword.value not in ("offload_to_cpu", "rank0_only"):
-            return None
-        flags[arg.keyword.value] = value
-    return flags
+        found.append(config)
+    return TypeOptions(code(args["module"]), found[0].options, found[1].options, full, tuple(found))
 
 
 class SetTypes(cst.CSTVisitor):
@@ -94,10 +80,10 @@ class SetTypes(cst.CSTVisitor):
 
     METADATA_DEPENDENCIES = (QualifiedNameProvider, ParentNodeProvider, PositionProvider)
 
-    def __init__(self, code: Code, resolve: Resolve) -> None:
+    def __init__(self, code: Code, bindings: Bindings) -> None:
         super().__init__()
         self.code = code
-        self.value_of = resolve
+        self.bindings = bindings
         self.setters: dict[str, list[cst.Call]] = {}
         self.uses: dict[str, list[cst.Call]] = {}
         self.explicit: list[str | None] = []  # the models of the state_dict_type blocks around the node visited
@@ -141,7 +127,9 @@ class SetTypes(cst.CSTVisitor):
     def _decide(self, model: str, setters: list[cst.Call], uses: list[cst.Call]) -> None:
         setter = setters[0]
         statement = self._statement(setter)
-        options = parse(setter, self.code, self.fsdp1, self.value_of)
+        options = parse(setter, self.code, self.fsdp1, self.bindings)
+        if options is not None and any(c.rewrite for c in options.configs):
+            options = None  # (a computed config: only a block's is rebuilt at run time)
         why = None
         if len(setters) > 1:
             why = f"the type of `{model}` is set {len(setters)} times (lines {self._lines(setters)})"

@@ -35,6 +35,8 @@ class Survey(cst.CSTVisitor):
         self.fsdp1_imports: list[tuple[str, str, str | None]] = []
         self.checkpointing_functions: set[str] = set()
         self.meta = False
+        self.fsdp_calls: list[cst.Call] = []  # every FSDP(...) call
+        self.constructions: dict[cst.Call, str] = {}  # those the rewriter maps: `target = FSDP(...)` -> target
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         """A function that only applies activation checkpointing (besides local names, prints and its docstring)
@@ -72,6 +74,12 @@ class Survey(cst.CSTVisitor):
                     self.assigned.setdefault(target.value, []).append((node, small.value))
                 if isinstance(small.value, cst.Call) and self._is_fsdp(small.value.func):
                     self.models.add(cst.Module([]).code_for_node(target))
+                    if len(node.body) == 1:
+                        self.constructions[small.value] = cst.Module([]).code_for_node(target)
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if self._is_fsdp(node.func):
+            self.fsdp_calls.append(node)
 
     def visit_Name(self, node: cst.Name) -> None:
         self.name_count[node.value] += 1

@@ -1,0 +1,81 @@
+"""FSDP1's `MixedPrecision(...)` where it stands on its own (a policy assigned to a name, a config's default): it
+becomes FSDP2's MixedPrecisionPolicy only where that gives what FSDP1 did. It stays FSDP1's, reported, where an
+FSDP(...) that takes it stays FSDP1 (an FSDP2 policy would break it), and where it sets a buffer_dtype that no
+construction of the file casts the buffers to (FSDP2's policy has no buffer_dtype: dropped, the buffers would stay
+in their own dtype without a word). The call is rewritten in place: its comments and layout are kept."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import libcst as cst
+
+Resolve = Callable[[cst.BaseExpression], cst.BaseExpression]
+
+KEPT = ("param_dtype", "reduce_dtype")
+
+
+def uses(calls: Sequence[tuple[cst.Call, bool]], value_of: Resolve) -> dict[cst.CSTNode, bool]:
+    """The MixedPrecision values the file's FSDP(...) calls take (`mixed_precision=`), each with whether every one of
+    those calls becomes fully_shard (`calls`: each FSDP call and whether it does)."""
+    found: dict[cst.CSTNode, bool] = {}
+    for call, migrated in calls:
+        for arg in call.args:
+            if arg.keyword is not None and arg.keyword.value == "mixed_precision":
+                node = value_of(arg.value)
+                found[node] = found.get(node, True) and migrated
+    return found
+
+
+def _merged(
+    before: cst.BaseParenthesizableWhitespace, dropped: cst.BaseParenthesizableWhitespace
+) -> cst.BaseParenthesizableWhitespace:
+    """The whitespace after a kept argument followed by a dropped one: its own line's comment, the comment lines
+    between, and the dropped argument's, then the layout that followed the dropped one."""
+    if not isinstance(dropped, cst.ParenthesizedWhitespace):
+        return before
+    if not isinstance(before, cst.ParenthesizedWhitespace):
+        return dropped
+    comment = dropped.first_line.comment
+    own = [cst.EmptyLine(indent=True, whitespace=before.last_line, comment=comment)] if comment else []
+    return dropped.with_changes(
+        first_line=before.first_line, empty_lines=[*before.empty_lines, *own, *dropped.empty_lines]
+    )
+
+
+def policy_call(call: cst.Call) -> cst.Call:
+    """`MixedPrecision(...)` as `MixedPrecisionPolicy(...)` with only the arguments FSDP2's policy takes (the caller
+    has checked the others carry nothing over), every comment kept."""
+    args: list[cst.Arg] = []
+    before = call.whitespace_before_args
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value in KEPT:
+            args.append(arg)
+            continue
+        after = arg.comma.whitespace_after if isinstance(arg.comma, cst.Comma) else arg.whitespace_after_arg
+        if args:
+            comma = args[-1].comma
+            if isinstance(comma, cst.Comma):
+                merged = _merged(comma.whitespace_after, after)
+                args[-1] = args[-1].with_changes(comma=comma.with_changes(whitespace_after=merged))
+        else:
+            before = _merged(before, after)
+    last_comma = args[-1].comma if args else None
+    if not isinstance(call.args[-1].comma, cst.Comma) and isinstance(last_comma, cst.Comma):
+        last = args[-1]
+        ending = last_comma.whitespace_after
+        if not isinstance(ending, cst.ParenthesizedWhitespace):  # (the line's own ending otherwise)
+            ending = call.args[-1].whitespace_after_arg
+        args[-1] = last.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=ending)
+    return call.with_changes(func=cst.Name("MixedPrecisionPolicy"), args=args, whitespace_before_args=before)
+
+
+def kept(refused: list[str], used: bool | None) -> tuple[str, str]:
+    """(why, fix) for a MixedPrecision(...) left as written."""
+    if refused:
+        return "FSDP2's MixedPrecisionPolicy has no counterpart", "set it per module by hand, or drop it"
+    if used is False:
+        return "an FSDP(...) that takes it stays FSDP1 (reported), which needs FSDP1's policy", "migrate that first"
+    why = "FSDP2's MixedPrecisionPolicy has no buffer_dtype, and no construction of this file casts the buffers for it"
+    fix = "after fully_shard, cast the floating-point buffers to that dtype (`buffer.data = buffer.data.to(dtype)`)"
+    return why, fix

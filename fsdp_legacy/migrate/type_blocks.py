@@ -1,0 +1,163 @@
+"""Which `with FSDP.state_dict_type(model, ...):` blocks are taken away, and what becomes of their configs.
+
+A block goes only when every call in it whose result its type decides is rewritten with the block's options:
+`model.state_dict()` / `load_state_dict()` on the block's model (a parameter or an attribute as well), FSDP1's
+optimizer-state calls. A call the rewrite did not map that may run under the type (a state-dict call on another
+object, an FSDP1 call left in place, a call handed the model or an object holding it, a save or load this tool
+cannot see into such as `trainer.save_model()`) keeps the block as it was, reported: taken away, such a call would
+save or load something else under FSDP2 without a word. `Plan` decides before the rewrite, `readers` checks after it
+(migrate_source reruns the rewrite with the blocks it keeps)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import PositionProvider, QualifiedNameProvider
+
+from .bindings import Bindings
+from .configs import Config
+from .names import fsdp1_name
+from .state_dict_type import BLOCK, TypeOptions, parse
+
+Code = Callable[[cst.CSTNode], str]
+
+# nn.Module methods that read nothing of the state-dict type
+_HARMLESS = frozenset(
+    {"parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules", "children",
+     "named_children", "eval", "train", "zero_grad"}
+)  # fmt: skip
+_SAVES_OR_LOADS = ("save", "load", "checkpoint", "state_dict")
+
+
+@dataclass
+class Plan:
+    """The blocks taken away (with their options), those kept (why), and the config statements taken out or
+    rebuilt at run time."""
+
+    removed: dict[cst.With, TypeOptions] = field(default_factory=dict)
+    kept: dict[cst.With, str] = field(default_factory=dict)
+    configs: dict[cst.SimpleStatementLine, Config] = field(default_factory=dict)
+
+
+class TypeBlocks(cst.CSTVisitor):
+    """Visits the original tree: every state_dict_type block and its options."""
+
+    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+
+    def __init__(self, code: Code, bindings: Bindings) -> None:
+        super().__init__()
+        self.code = code
+        self.bindings = bindings
+        self.blocks: dict[cst.With, tuple[cst.Call, TypeOptions | None]] = {}
+
+    def fsdp1(self, node: cst.CSTNode) -> str | None:
+        names = [fsdp1_name(q.name) for q in self.get_metadata(QualifiedNameProvider, node, set())]
+        return next((n for n in names if n), None)
+
+    def visit_With(self, node: cst.With) -> None:
+        item = node.items[0] if len(node.items) == 1 else None
+        if item is None or item.asname or not isinstance(item.item, cst.Call) or self.fsdp1(item.item.func) != BLOCK:
+            return
+        self.blocks[node] = (item.item, parse(item.item, self.code, self.fsdp1, self.bindings))
+
+    def plan(self, keep: dict[cst.With, str]) -> Plan:
+        """With the blocks of `keep` kept (why): a config rebuilt at run time must serve only blocks taken away, so
+        a block sharing one with a block that stays stays too."""
+        keep = dict(keep)
+        while True:
+            removed = {w: o for w, (_, o) in self.blocks.items() if o is not None and w not in keep}
+            args = {a.value for w in removed for a in self.blocks[w][0].args}
+            shared = {
+                w: f"its config `{c.options}` is used elsewhere too (where it stays FSDP1's)"
+                for w, o in removed.items()
+                for c in o.configs
+                if c.rewrite is not None and not set(c.rewrite.uses) <= args
+            }
+            if not shared:
+                break
+            keep.update(shared)
+        configs = {c.rewrite.statement: c for o in removed.values() for c in o.configs if c.rewrite is not None}
+        configs.update({c.drop.statement: c for o in removed.values() for c in o.configs if c.drop is not None})
+        return Plan(removed, keep, configs)
+
+
+def _chain(node: cst.CSTNode) -> str | None:
+    """`self._model` for an attribute chain of names; None for anything else."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        inner = _chain(node.value)
+        return None if inner is None else f"{inner}.{node.attr.value}"
+    return None
+
+
+def _related(chain: str, model: str) -> bool:
+    """The model itself, an object it hangs from (`self` for `self._model`), or something inside it."""
+    return chain == model or model.startswith(chain + ".") or chain.startswith(model + ".")
+
+
+class _Calls(cst.CSTVisitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[cst.Call] = []
+
+    def visit_Call(self, node: cst.Call) -> None:
+        self.calls.append(node)
+
+
+class Readers(cst.CSTVisitor):
+    """Visits the original tree after a rewrite: for each block taken away (model code), the first call in it that
+    may run under its type and was not rewritten (`consumed` holds the rewritten nodes)."""
+
+    METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
+
+    def __init__(self, removed: dict[cst.With, str], consumed: set[cst.CSTNode], code: Code) -> None:
+        super().__init__()
+        self.removed = removed
+        self.consumed = consumed
+        self.code = code
+        self.found: dict[cst.With, str] = {}
+
+    def visit_With(self, node: cst.With) -> None:
+        model = self.removed.get(node)
+        if model is None:
+            return
+        calls = _Calls()
+        node.body.visit(calls)
+        for call in calls.calls:
+            why = None if call in self.consumed else self._reads(call, model)
+            if why is not None:
+                line = self.get_metadata(PositionProvider, call).start.line
+                written = self.code(call.func)
+                self.found[node] = f"`{written}(...)` at line {line} may run under the type it sets ({why})"
+                return
+
+    def _reads(self, call: cst.Call, model: str) -> str | None:
+        qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, call.func, set())}
+        func = call.func
+        name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+        torch = any(q.startswith("torch.") for q in qualified)
+        if any(fsdp1_name(q) for q in qualified):
+            return "an FSDP1 call left in place"
+        if name in ("state_dict", "load_state_dict") and not torch:
+            return "a state-dict call not on the block's model, or not in a form this tool maps"
+        if isinstance(func, cst.Attribute) and name not in _HARMLESS:
+            receiver = _chain(func.value)
+            if receiver is not None and _related(receiver, model):
+                return f"a call on `{receiver}`, which is or holds `{model}`"
+        if any(self._mentions(arg.value, model) for arg in call.args):
+            return f"a call handed `{model}` (or an object holding it)"
+        if not torch and any(word in name.lower() for word in _SAVES_OR_LOADS):
+            return "a save or load this tool cannot see into"
+        return None
+
+    def _mentions(self, node: cst.CSTNode, model: str) -> bool:
+        """Whether `node` holds the model or an object related to it, outside the rewritten calls."""
+        if node in self.consumed:
+            return False
+        chain = _chain(node)
+        if chain is not None:
+            return _related(chain, model)
+        return any(self._mentions(child, model) for child in node.children)
