@@ -17,6 +17,7 @@ from checkpoint_fuzz.damage import (
     rewrite_metadata,
     rewrite_safetensors_header,
     safetensors_header,
+    set_record_field,
     tensors_holding,
 )
 
@@ -30,5 +31,6 @@ __all__ = [
     "rewrite_metadata",
     "rewrite_safetensors_header",
     "safetensors_header",
+    "set_record_field",
     "tensors_holding",
 ]

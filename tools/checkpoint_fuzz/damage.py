@@ -128,3 +128,17 @@ def rewrite_metadata(directory: str, edit: Callable[[Any], None]) -> None:
     edit(metadata)
     with open(os.path.join(directory, ".metadata"), "wb") as file:
         pickle.dump(metadata, file)
+
+
+def set_record_field(path: str, field: str, value: int, record: int = 0) -> None:
+    """Set a 2-byte field ("flags" or "method", the compression method) of a zip archive's `record`-th entry in its
+    central directory, in place: what zipfile reads when it opens the record (the local header is left alone)."""
+    with open(path, "rb") as file:
+        archive = file.read()
+    end = archive.rfind(b"PK\x05\x06")
+    (central,) = struct.unpack_from("<I", archive, end + 16)
+    for _ in range(record):  # each entry: 46 bytes, then its name, extra field and comment
+        central += 46 + sum(struct.unpack_from("<3H", archive, central + 28))
+    with open(path, "r+b") as file:
+        file.seek(central + {"flags": 8, "method": 10}[field])
+        file.write(struct.pack("<H", value))
