@@ -77,6 +77,10 @@ def _junk_planner_data(metadata: Any) -> None:
     metadata.planner_data = {key: ("model", *path) for key, path in metadata.planner_data.items()}
 
 
+def _side_file_deleted(directory: Path) -> None:
+    os.remove(directory / SIDE)
+
+
 def _rank_deleted(directory: Path) -> None:
     os.remove(directory / "rank1.pt")
 
@@ -132,6 +136,11 @@ CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
         _metadata(_declared_uint8),
         r"the item of model\.block\.fc2\.weight at offset \d+ holds torch\.float32 data, but \.metadata declares "
         r"torch\.uint8",
+    ),
+    "the side file deleted": (  # read as a plain dcp.save, it would lose every check of its saver
+        "dcp_sealed",
+        _side_file_deleted,
+        rf"was being saved through fsdp_legacy\.dcp_checkpoint\.save, which writes {SIDE} .* but it has none",
     ),
     "a rank's file deleted": ("ranks", _rank_deleted, r"the file of rank\(s\) \[1\] is missing"),
     "an item's record of an unknown compression method": (

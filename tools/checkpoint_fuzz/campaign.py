@@ -137,24 +137,32 @@ class Campaign:
         return Verdict(reader, outcome, detail, ran.seconds)
 
     def _classify(self, name: str, reader: str, ran: Ran) -> tuple[str, str]:
-        if self.marker.exists():
-            return "code ran", f"the hostile pickle's marker {self.marker} was made"
-        if ran.timed_out:
-            return "hang", f"still running after {self.limits.timeout_s:g} s"
-        if ran.signal is not None:
-            return "crash", f"killed by {signal.Signals(ran.signal).name}: {_last_line(ran.stderr)}"
-        if "Traceback (most recent call last)" in ran.stderr or _CATCH_ALL in ran.stderr:
-            return "traceback", _last_line(ran.stderr)
-        if ran.exit_code in (1, 2):
-            return "clean error", _last_line(ran.stderr) or _last_line(ran.stdout) or f"exit {ran.exit_code}"
-        if ran.exit_code != 0:
-            return "crash", f"exit code {ran.exit_code}: {_last_line(ran.stderr)}"
+        judged = outcome_of(ran, self.marker.exists(), self.limits)
+        if judged is not None:
+            return judged
         try:
             found = result_of(reader, ran, self.out)
         except Exception as error:  # (what it wrote cannot be read back)
             return "silent wrong", f"exit 0, but its output cannot be read: {type(error).__name__}: {error}"
         expected = self.baseline[name, reader]
         return ("same result", "") if found == expected else ("silent wrong", _differences(found, expected))
+
+
+def outcome_of(ran: Ran, code_ran: bool, limits: Limits) -> tuple[str, str] | None:
+    """The outcome of a run and its detail, or None where it exited 0 (its result is then compared)."""
+    if code_ran:
+        return "code ran", "the hostile pickle's marker was made"
+    if ran.timed_out:
+        return "hang", f"still running after {limits.timeout_s:g} s"
+    if ran.signal is not None:
+        return "crash", f"killed by {signal.Signals(ran.signal).name}: {_last_line(ran.stderr)}"
+    if "Traceback (most recent call last)" in ran.stderr or _CATCH_ALL in ran.stderr:
+        return "traceback", _last_line(ran.stderr)
+    if ran.exit_code in (1, 2):
+        return "clean error", _last_line(ran.stderr) or _last_line(ran.stdout) or f"exit {ran.exit_code}"
+    if ran.exit_code != 0:
+        return "crash", f"exit code {ran.exit_code}: {_last_line(ran.stderr)}"
+    return None
 
 
 def _cross_checked(verdicts: list[Verdict]) -> Iterable[Verdict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .damage import flip_bit
+from .damage import flip_bit, set_record_field
 from .hostile import HOSTILE_VALUES, code_pickles, replace_dcp_item, with_pickle
 from .regions import Region, files_of
 
@@ -298,6 +298,16 @@ def hostile_pickle(copy: Path, source: Source, rng: random.Random, marker: Path)
     return f"{_named(file)}: its data.pkl replaced by a pickle that runs {kind} (the archive's CRC-32s valid)"
 
 
+def edit_zip_entry(copy: Path, source: Source, rng: random.Random, marker: Path) -> str:
+    """A zip entry of a torch.save archive (the last archive of a DCP data file) that names another compression
+    method or sets flags: what one flipped bit in its central directory can say."""
+    file = rng.choice([f for f in source.files if f == "" or f.endswith((".pt", ".distcp"))])
+    field, value = rng.choice([("method", 8), ("method", 12), ("method", 14), ("method", 99), ("flags", 0x09)])
+    record = rng.randrange(3)
+    set_record_field(str(_at(copy, file)), field, value, record)
+    return f"{_named(file)}: the {field} of its zip entry {record} set to {value:#x}"
+
+
 @dataclass(frozen=True)
 class Kind:
     name: str
@@ -321,6 +331,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("edit index", edit_index, lambda s: (s.intact / "model.safetensors.index.json").exists()),
     Kind("swap metadata", swap_dcp_metadata, lambda s: s.is_dcp),
     Kind("edit side file", edit_side_file, lambda s: (s.intact / ".fsdp_legacy.json").exists()),
+    Kind("edit zip entry", edit_zip_entry, lambda s: s.is_dcp or bool(s.archives)),
     Kind("hostile values", hostile_values, lambda s: s.is_dcp),
     Kind("hostile pickle", hostile_pickle, lambda s: s.is_dcp or bool(s.archives)),
 )

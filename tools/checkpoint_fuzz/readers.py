@@ -69,6 +69,8 @@ def run_forked(body: Callable[[], int], scratch: Path, limits: Limits) -> Ran:
         try:
             for fd, path in ((1, out), (2, err)):
                 os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            sys.stdout = open(1, "w", closefd=False)  # (not the parent's objects, which pytest may have replaced)
+            sys.stderr = open(2, "w", closefd=False)
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
             memory = _address_space() + limits.memory_bytes
             resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
