@@ -205,10 +205,12 @@ def _rank_files(files: Sequence[str], location: str, quiet: bool) -> Opened:
     world_size = world_sizes.pop()
     notes = _indexed_note(changed)
     missing = sorted(set(range(world_size)) - set(ranks))
-    if missing:
-        notes.append(
-            f"the files of rank(s) {missing} of the {world_size} are missing: the checkpoint is incomplete "
-            "(convert refuses it)"
+    if missing:  # refused as the converter and latest() refuse it: a listing would look like a whole checkpoint
+        found = ", ".join(os.path.basename(ranks[r][0]) for r in sorted(ranks))
+        raise CheckpointError(
+            f"{location}: the state dict was saved by {world_size} ranks, but the file of rank(s) {missing} is "
+            f"missing (found ranks {sorted(ranks)}: {found}): the checkpoint is incomplete. Copy every rank's file, "
+            "and pass their directory, a glob pattern or the list of them."
         )
     first_file, first = ranks[min(ranks)]
     described = _Described(location, first)

@@ -17,6 +17,7 @@ and every file by the CRC-32 in the side file (side_file.py), which also carries
 """
 
 import dataclasses
+import glob
 import io
 import json
 import math
@@ -87,7 +88,9 @@ class DcpCheckpoint(Checkpoint):
         }
         check_stamps(path, metadata, storage)
         side = read_side_file(path)
-        if side is not None:
+        if side is None:
+            refuse_unfinished(path, data_files(metadata))
+        else:
             check_side_file(path, side, metadata)
             # .metadata's CRC-32 here; each item's bytes are covered by its archive's CRC-32s, checked when read (a
             # whole-file check of every data file is dcp_checkpoint.load's, spread over the ranks).
@@ -317,6 +320,18 @@ def ends_with_stamp(path: str) -> bool:
             return file.read() == _STAMP
     except OSError:
         return False
+
+
+def refuse_unfinished(directory: str, names: Iterable[str]) -> None:
+    """For a directory without a side file: refuse it where its data files carry our stamps (or a side file was
+    being written), as a save through fsdp_legacy that did not finish, or whose side file was lost: read as a plain
+    dcp.save, it would lose every CRC-32 and identity check its saver made."""
+    stamped = [n for n in names if ends_with_stamp(os.path.join(directory, n))]
+    if stamped or glob.glob(os.path.join(glob.escape(directory), f"{SIDE_FILE}.tmp-*")):
+        raise CheckpointError(
+            f"{directory} was being saved through fsdp_legacy.dcp_checkpoint.save, which writes {SIDE_FILE} (the "
+            "CRC-32s) last, but it has none: the save did not finish (or the file was lost)."
+        )
 
 
 def check_side_file(directory: str, side: SideFile, metadata: Metadata) -> None:

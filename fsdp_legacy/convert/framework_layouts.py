@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from .checkpoint import Checkpoint, Path
 from .dcp_files import METADATA_FILE, DcpCheckpoint, is_dcp
 from .errors import CheckpointError
-from .integrity import check_archive
+from .integrity import ZIP_ERRORS, check_archive
 from .loading import safe_load
 from .optim_keys import check_shapes, index_names, keyed_by_name
 from .rank_files import RankFiles
@@ -130,7 +130,7 @@ def is_trainer_file(path: str) -> bool:
         with zipfile.ZipFile(path) as archive:
             pickles = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
             return len(pickles) == 1 and _TRAINER_MARK in archive.read(pickles[0])
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+    except ZIP_ERRORS:  # (damaged: integrity.py)
         return False
 
 

@@ -2,6 +2,7 @@
 torch.load never checks them, so a flipped bit in tensor data loads silently; the converter checks every archive it
 reads (a whole file, or each item of a DCP checkpoint) and fixes the CRCs of the archives it fills in place."""
 
+import lzma
 import struct
 import zipfile
 import zlib
@@ -16,6 +17,21 @@ _CENTRAL_HEADER = struct.Struct("<4s6H3L5H2L")  # ... name, extra, comment lengt
 _LOCAL_CRC, _CENTRAL_CRC = 14, 16  # byte offsets of the CRC-32 field in each header
 _DESCRIPTOR_FLAG, _DESCRIPTOR_SIGNATURE = 0x08, b"PK\x07\x08"  # torch writes a data descriptor after each record
 
+# What zipfile raises on a damaged archive besides BadZipFile: a flipped bit in a header can name a compression method
+# it lacks (NotImplementedError), set the encryption flag (RuntimeError, "password required"), or make stored bytes
+# read as deflate or LZMA (zlib.error, lzma.LZMAError); bzip2 and short reads raise OSError and EOFError.
+ZIP_ERRORS: tuple[type[Exception], ...] = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    EOFError,
+    OSError,
+    ValueError,
+    NotImplementedError,
+    RuntimeError,
+    zlib.error,
+    lzma.LZMAError,
+)
+
 
 def check_archive(file: BinaryIO, where: str) -> None:
     """Raise CheckpointError naming `where` unless `file` is a complete torch.save archive whose records all match
@@ -24,7 +40,7 @@ def check_archive(file: BinaryIO, where: str) -> None:
         with zipfile.ZipFile(file) as archive:
             bad = archive.testzip()
             tensors = tensors_in_record(archive, bad) if bad is not None else []
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError) as error:
+    except ZIP_ERRORS as error:
         raise CheckpointError(
             f"{where} is not a readable torch.save archive ({error}): it is truncated or corrupted, or was written "
             "by torch.save(_use_new_zipfile_serialization=False). Restore it from a copy, or save it again."

@@ -26,7 +26,7 @@ import torch
 from ..safetensors_format import mixed_saves
 from .checkpoint import Checkpoint, Chunk, Path, TensorMeta, dotted, flatten
 from .errors import CheckpointError
-from .integrity import check_archive
+from .integrity import ZIP_ERRORS, check_archive
 from .loading import LocalShards, load_rank_file
 from .record import FlatParamRecord, records_in_metadata
 from .seals import Seals
@@ -42,7 +42,7 @@ def is_rank_file(path: str) -> bool:
                 return False
             data = archive.read(pickles[0])
             return b"ShardedTensor" in data or b"DTensor" in data
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+    except ZIP_ERRORS:  # (damaged: integrity.py)
         return False
 
 
@@ -60,7 +60,7 @@ def is_damaged_archive(path: str) -> bool:
             return False
         with zipfile.ZipFile(path) as archive:
             return archive.testzip() is not None
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError):
+    except ZIP_ERRORS:  # (damaged: integrity.py)
         return True
 
 

@@ -13,7 +13,6 @@ between ranks (`share`: this rank's index and the number of ranks), each checkin
 """
 
 import contextlib
-import glob
 import json
 import os
 import re
@@ -29,7 +28,7 @@ from ..safetensors_format import (
     WeightsDirectory,
     read_safetensors_header,
 )
-from .dcp_files import METADATA_FILE, DcpCheckpoint, data_files, ends_with_stamp, read_metadata
+from .dcp_files import METADATA_FILE, DcpCheckpoint, data_files, read_metadata, refuse_unfinished
 from .errors import CheckpointError
 from .integrity import check_archive
 from .rank_files import RankFiles, rank_files_in
@@ -151,13 +150,7 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
     metadata = read_metadata(os.path.join(path, METADATA_FILE))
     names = data_files(metadata)
     if side is None:
-        stamped = [n for n in names if ends_with_stamp(os.path.join(path, n))]
-        leftovers = glob.glob(os.path.join(glob.escape(path), f"{SIDE_FILE}.tmp-*"))
-        if stamped or leftovers:
-            raise CheckpointError(
-                f"{path} was being saved through fsdp_legacy.dcp_checkpoint.save, which writes {SIDE_FILE} (the "
-                "CRC-32s) last, but it has none: the save did not finish."
-            )
+        refuse_unfinished(path, names)
         # what the converter checks of a plain dcp.save: each item's archive, dtype and shape
         checkpoint.check_items(checkpoint.data_file_names()[share[0] :: share[1]])
         return Verified(

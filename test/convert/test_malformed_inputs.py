@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from damage import rewrite_metadata
+from damage import dcp_items, rewrite_metadata, set_record_field
 from test_seals import assert_one_line, readers, saved  # noqa: F401  (saved: the module's checkpoints)
 
 from cli_runner import run_cli
@@ -77,6 +77,35 @@ def _junk_planner_data(metadata: Any) -> None:
     metadata.planner_data = {key: ("model", *path) for key, path in metadata.planner_data.items()}
 
 
+def _side_file_deleted(directory: Path) -> None:
+    os.remove(directory / SIDE)
+
+
+def _rank_deleted(directory: Path) -> None:
+    os.remove(directory / "rank1.pt")
+
+
+def _record_field(file: str, field: str, value: int) -> Callable[[Path], None]:
+    """A torch.save archive whose first record's entry names a compression method zipfile lacks, or says it is
+    encrypted: what one flipped bit in a zip header can do (zipfile raises NotImplementedError, RuntimeError)."""
+
+    def edit(directory: Path) -> None:
+        if file == "item":  # the item of one tensor of a DCP directory: an archive inside a data file
+            name, offset, length = dcp_items(str(directory))["model.block.fc2.weight"]
+            path = directory / name
+            raw = path.read_bytes()
+            (directory / "item").write_bytes(raw[offset : offset + length])
+            set_record_field(str(directory / "item"), field, value)
+            path.write_bytes(raw[:offset] + (directory / "item").read_bytes() + raw[offset + length :])
+            os.remove(directory / "item")
+        else:
+            set_record_field(str(directory / file), field, value)
+
+    return edit
+
+
+UNREADABLE = r"is not a readable torch\.save archive \(({})\)"
+
 # (source, edit, a pattern of the one line that must say what is wrong)
 CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
     "side file + one byte": ("dcp_sealed", _append_byte, rf"{SIDE} is damaged"),
@@ -107,6 +136,22 @@ CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
         _metadata(_declared_uint8),
         r"the item of model\.block\.fc2\.weight at offset \d+ holds torch\.float32 data, but \.metadata declares "
         r"torch\.uint8",
+    ),
+    "the side file deleted": (  # read as a plain dcp.save, it would lose every check of its saver
+        "dcp_sealed",
+        _side_file_deleted,
+        rf"was being saved through fsdp_legacy\.dcp_checkpoint\.save, which writes {SIDE} .* but it has none",
+    ),
+    "a rank's file deleted": ("ranks", _rank_deleted, r"the file of rank\(s\) \[1\] is missing"),
+    "an item's record of an unknown compression method": (
+        "dcp_plain",
+        _record_field("item", "method", 99),
+        UNREADABLE.format("That compression method is not supported"),
+    ),
+    "a rank file's record marked encrypted": (
+        "ranks",
+        _record_field("rank1.pt", "flags", 0x09),
+        r"per-rank files is there but damaged: .*rank1\.pt.* " + UNREADABLE.format(".*password required.*"),
     ),
     "junk planner_data": (
         "dcp_plain",
