@@ -112,7 +112,9 @@ def delete(copy: Path, source: Source, rng: random.Random, marker: Path) -> str:
 def append(copy: Path, source: Source, rng: random.Random, marker: Path) -> str:
     file = rng.choice(source.files)
     count = rng.choice([1, 8, 100, 4096])
-    junk = rng.choice([b"\0" * count, bytes(rng.randrange(256) for _ in range(count)), b"PK\x05\x06" * (count // 4)])
+    junk = rng.choice(
+        [b"\0" * count, bytes(rng.randrange(256) for _ in range(count)), b"PK\x05\x06" * max(1, count // 4)]
+    )
     with open(_at(copy, file), "ab") as handle:
         handle.write(junk)
     return f"appended {len(junk)} bytes ({junk[:8]!r}...) to {_named(file)}"
