@@ -16,7 +16,7 @@ import re
 import struct
 import uuid
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -280,16 +280,24 @@ class SafetensorsHeader:
         """Whether the header carries a seal of its own (checked by read_safetensors_header)."""
         return HEADER_CRC32 in self.metadata
 
-    def data_crc_problem(self, path: str) -> str | None:
+    @property
+    def sealed_per_tensor(self) -> bool:
+        """Whether the header records a CRC-32 for each tensor, so that tensors can be checked one by one."""
+        return TENSOR_CRC32 in self.metadata
+
+    def data_crc_problem(self, path: str, only: Collection[str] | None = None) -> str | None:
         """None when the file's data matches the CRC-32s its header records (or it records none), else why not,
-        naming the tensors whose bytes changed where the header records a CRC-32 per tensor."""
+        naming the tensors whose bytes changed where the header records a CRC-32 per tensor. `only`: check just
+        these tensors (their own CRC-32s; the header must record them, `sealed_per_tensor`)."""
         per_tensor, whole = self.metadata.get(TENSOR_CRC32), self.metadata.get(DATA_CRC32)
         if per_tensor is None and whole is None:
             return None
         if _CRC_PLACEHOLDER in (whole, (per_tensor or "")[:8]):
             return f"{path} was never sealed: the save that wrote it did not finish"
         start = self.data_start
-        spans = {key: (t.start - start, t.start - start + t.nbytes) for key, t in self.tensors.items()}
+        checked = self.tensors if only is None else {key: self.tensors[key] for key in only}
+        assert only is None or per_tensor is not None, "tensors are checked one by one against per-tensor CRC-32s"
+        spans = {key: (t.start - start, t.start - start + t.nbytes) for key, t in checked.items()}
         fd = os.open(path, os.O_RDONLY)
         try:
             crcs, actual = tensor_crc32s(fd, self.data_start, spans)
@@ -300,14 +308,16 @@ class SafetensorsHeader:
         if per_tensor is not None:
             names = sorted(self.tensors)
             recorded = [per_tensor[8 * i : 8 * i + 8] for i in range(len(names))]
-            changed = [name for name, crc in zip(names, recorded, strict=True) if f"{crcs[name]:08x}" != crc]
+            changed = [
+                name for name, crc in zip(names, recorded, strict=True) if name in crcs and f"{crcs[name]:08x}" != crc
+            ]
             if changed:
                 listed = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
                 return (
                     f"{path}: the data of {listed} does not match the CRC-32 its header records for it (the data "
                     "changed after saving)"
                 )
-        if whole is not None and f"{actual:08x}" != whole:
+        if only is None and whole is not None and f"{actual:08x}" != whole:
             return (
                 f"{path}: its tensor data does not match the CRC-32 its header records (the data changed after saving)"
             )
@@ -459,6 +469,8 @@ class WeightsDirectory:
         self.meta: dict[str, tuple[str, torch.Size, Any]] = {}
         self._where: dict[str, tuple[int, Stored]] = {}  # safetensors: key -> (descriptor, where its bytes are)
         self._loaded: dict[str, dict[str, torch.Tensor]] = {}
+        self.headers: dict[str, SafetensorsHeader] = {}  # safetensors: each file's header, by file name
+        self.directory = directory
         for name in files:
             path = os.path.join(directory, name)
             if not os.path.isfile(path):
@@ -471,6 +483,7 @@ class WeightsDirectory:
                 fd = os.open(path, os.O_RDONLY)
                 stack.callback(os.close, fd)
                 save_ids[name] = header.save_id
+                self.headers[name] = header
                 contents = {key: (stored.shape, stored.dtype) for key, stored in header.tensors.items()}
                 self._where.update((key, (fd, stored)) for key, stored in header.tensors.items())
             else:  # torch.save files cannot be read in part: each is loaded whole (memory-mapped) on every rank
@@ -495,6 +508,32 @@ class WeightsDirectory:
                 f"{directory}/{found[0]} does not list the tensors its files hold (or names other files for them): the "
                 "directory is incomplete or mixes saves. Restore it from one save."
             )
+
+    def data_crc_problem(self, share: tuple[int, int] = (0, 1)) -> str | None:
+        """Why the data of this process's `share` (index, count) of the safetensors files' sealed tensors does not
+        match the CRC-32s their headers record, or None. The work is split by tensor where the headers record a
+        CRC-32 per tensor (so one file is checked by all ranks together), else by file; files with no seal (written
+        by save_pretrained) are not checked."""
+        work: list[tuple[int, str, str | None]] = []  # (bytes, file, tensor or None for the whole file)
+        for name, header in sorted(self.headers.items()):
+            if header.sealed_per_tensor:
+                work += [(stored.nbytes, name, key) for key, stored in sorted(header.tensors.items())]
+            elif header.data_sealed:
+                work.append((sum(stored.nbytes for stored in header.tensors.values()), name, None))
+        work.sort(key=lambda item: (-item[0], item[1], item[2] or ""))  # the largest first, dealt round the ranks
+        mine: dict[str, list[str] | None] = {}
+        for _, name, key in work[share[0] :: share[1]]:
+            if key is None:
+                mine[name] = None
+            else:
+                listed = mine.setdefault(name, [])
+                assert listed is not None
+                listed.append(key)
+        for name, keys in mine.items():
+            problem = self.headers[name].data_crc_problem(os.path.join(self.directory, name), keys)
+            if problem is not None:
+                return problem
+        return None
 
     def read_into(self, key: str, first: int, target: torch.Tensor) -> None:
         """Elements [first, first + target.numel()) of the flattened tensor `key` into the 1-D `target`."""

@@ -2,6 +2,7 @@
 that allow an explicit list of globals (DCP's `.metadata`, and per-rank torch.save files holding ShardedTensors or
 DTensors, which weights_only refuses). Errors name the file and say what to do."""
 
+import enum
 import math
 import os
 import pickle
@@ -60,11 +61,27 @@ class RestrictedUnpickler(pickle.Unpickler):
         substitute = self.substitutes.get((module, name))
         if substitute is not None:
             return substitute
+        if (module, name) == ("builtins", "getattr"):
+            return self._enum_member
         if name in self.allowed.get(module, ()) or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
         raise Refused(f"{module}.{name}")
+
+    def _enum_member(self, owner: object, name: object) -> Any:
+        """What `getattr` may do in a pickle: Python 3.11.0 to 3.11.4 pickle an enum member as `getattr(EnumClass,
+        "NAME")` (later releases as `EnumClass(value)`), so DCP's own metadata written there holds it. Only a member
+        of an allowed Enum class is given; any other use of getattr would reach arbitrary attributes."""
+        if (
+            isinstance(owner, type)
+            and issubclass(owner, enum.Enum)
+            and owner.__qualname__ in self.allowed.get(owner.__module__, ())
+            and isinstance(name, str)
+            and name in owner.__members__
+        ):
+            return owner.__members__[name]
+        raise Refused(f"builtins.getattr({getattr(owner, '__qualname__', type(owner).__name__)}, {name!r})")
 
 
 # A torch.save file of a LOCAL state dict pickles each flat parameter as a ShardedTensor:

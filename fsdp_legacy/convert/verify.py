@@ -184,10 +184,9 @@ def _verify_full(path: str, share: tuple[int, int]) -> Verified:
     for name, header in headers.items():
         if SAVED_AT in header.metadata:
             valid_time(_number(header.metadata[SAVED_AT]), f"{os.path.join(path, name)} ({SAVED_AT})")
-    for name in files[share[0] :: share[1]]:
-        problem = headers[name].data_crc_problem(os.path.join(path, name))
-        if problem is not None:
-            raise CheckpointError(problem)
+    problem = weights.data_crc_problem(share)
+    if problem is not None:
+        raise CheckpointError(problem)
     save_ids = {header.save_id for header in headers.values()}
     sealed = all(header.data_sealed for header in headers.values())
     header_sealed = all(header.header_sealed for header in headers.values())

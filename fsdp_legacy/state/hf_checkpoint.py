@@ -33,6 +33,8 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..convert.atomic import atomic_directory
+from ..convert.errors import CheckpointError
+from ..convert.integrity import check_archive
 from ..flat_param import FlatParameter, FlatParamLayout, ParamInfo
 from ..handle import FlatParamHandle
 from ..naming import join_fqn
@@ -480,7 +482,7 @@ def _match(entries: list[_Entry], source: WeightsDirectory, directory: str, mode
 
 
 @torch.no_grad()
-def load_full_model(model: nn.Module, directory: str, *, strict: bool = True) -> Any:
+def load_full_model(model: nn.Module, directory: str, *, strict: bool = True, verify_data: bool = True) -> Any:
     """Load a directory of full weights in Hugging Face's layout (written by save_full_model or by transformers'
     save_pretrained) into a wrapped model; every rank must call it. Each rank reads from the safetensors files only
     the bytes of each parameter that its shard holds, straight into its shard (whole tensors for buffers and
@@ -490,7 +492,10 @@ def load_full_model(model: nn.Module, directory: str, *, strict: bool = True) ->
     Before anything is copied, every rank checks the files (each safetensors header against its file: ranges inside
     it, no two tensors overlapping, byte counts matching dtype x shape; all files of one save) and the keys, and the
     ranks agree: a damaged or mixed directory, a shape or dtype mismatch, and with `strict` a missing or unexpected
-    key raise the same RuntimeError on every rank, naming the key or file, and leave the model untouched. A tied
+    key raise the same RuntimeError on every rank, naming the key or file, and leave the model untouched. With
+    `verify_data` (the default) the data is checked against the CRC-32s save_full_model seals into each header, and
+    `pytorch_model.bin` archives against torch.save's CRC-32s, the ranks sharing the work (each reads about 1/world
+    of the checkpoint once more), so one flipped bit is refused too, naming the tensor. A tied
     weight saved once loads into all its references. Returns (missing_keys, unexpected_keys), as
     nn.Module.load_state_dict does.
     """
@@ -505,6 +510,8 @@ def load_full_model(model: nn.Module, directory: str, *, strict: bool = True) ->
             entries, handles = _collect(model)
             source = WeightsDirectory(directory, stack)
             chosen, missing, unexpected = _match(entries, source, directory, model, strict)
+            if verify_data:
+                _check_data(source, peers)
         except Exception as error:
             peers.note(error)
         peers.agree()  # every rank found the files sound, or every rank raises with the model untouched
@@ -518,6 +525,23 @@ def load_full_model(model: nn.Module, directory: str, *, strict: bool = True) ->
             )
         peers.agree()
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _check_data(source: WeightsDirectory, peers: Peers) -> None:
+    """Raise where this rank's share of the data does not match what its writer sealed."""
+    share = (peers.rank, peers.size)
+    if source.safe:
+        problem = source.data_crc_problem(share)
+        if problem is not None:
+            raise RuntimeError(f"{problem}. Restore the file from a copy; nothing was loaded.")
+        return
+    for name in sorted({file for file, _, _ in source.meta.values()})[share[0] :: share[1]]:
+        path = os.path.join(source.directory, name)
+        with open(path, "rb") as file:
+            try:
+                check_archive(file, path)
+            except CheckpointError as error:
+                raise RuntimeError(str(error)) from None
 
 
 def _read_all(

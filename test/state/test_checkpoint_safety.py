@@ -7,6 +7,7 @@ layout record run on ranks. (In-memory load errors without a record are covered 
 """
 
 import ast
+import enum
 import glob
 import os
 import pickle
@@ -15,12 +16,14 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 import repo_paths
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType
 from fsdp_legacy.convert import CheckpointError, FlatParamRecord, ParamRecord, convert_checkpoint, torch_file
 from fsdp_legacy.convert.dcp_files import write_dcp
+from fsdp_legacy.convert.dcp_metadata import read_metadata
 from fsdp_legacy.convert.flat import Flattened
 from fsdp_legacy.convert.torch_file import TorchFile
 from fsdp_utils import Config, build_ours, full_params, layout_keys
@@ -252,6 +255,53 @@ def test_pickled_code_is_refused(tmp_path) -> None:
     ):
         convert_checkpoint(str(tmp_path / "evil_dcp"), str(tmp_path / "out"), to="full")
     assert not os.path.exists(marker), "nothing was executed"
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles enum members as Python 3.11.0 to 3.11.4 do, `getattr(EnumClass, "NAME")` (later releases write
+    `EnumClass(value)`), so that a checkpoint saved there is read here as it would be there."""
+
+    def reducer_override(self, obj):  # type: ignore[no-untyped-def]
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_dcp_metadata_of_python_3_11_early_releases_is_read(tmp_path) -> None:
+    """dcp.save's .metadata holds an enum (the memory format of each tensor): the readers accept it pickled by
+    name through getattr, and only that use of getattr."""
+    state = {"model": {"w": torch.randn(3, 4), "b": torch.randn(3)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "saved"), no_dist=True)
+    metadata_file = tmp_path / "saved" / ".metadata"
+    with open(metadata_file, "rb") as handle:
+        metadata = pickle.load(handle)
+    with open(metadata_file, "wb") as handle:
+        _EnumsByName(handle, protocol=pickle.HIGHEST_PROTOCOL).dump(metadata)
+    assert b"getattr" in metadata_file.read_bytes(), "written as Python 3.11.2 writes it"
+    assert read_metadata(str(metadata_file)) == metadata
+    convert_checkpoint(str(tmp_path / "saved"), str(tmp_path / "full.pt"), to="full")
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert all(torch.equal(full["model"][k], v) for k, v in state["model"].items())
+
+    marker = str(tmp_path / "pwned")
+    hostiles = (EvilGetattr(), _GetattrOf(torch.Size, "__new__"), _GetattrOf(_MEM_FORMAT_ENCODING, "__init_subclass__"))
+    refused = r"refers to (builtins\.getattr\(|torch\.distributed).*, which DCP metadata never"
+    for hostile in hostiles:
+        with open(metadata_file, "wb") as handle:
+            pickle.dump(hostile, handle)
+        with pytest.raises(CheckpointError, match=refused):
+            read_metadata(str(metadata_file))
+    assert not os.path.exists(marker)
+
+
+class _GetattrOf:
+    def __init__(self, owner: object, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
 
 
 class EvilGetattr:

@@ -7,7 +7,9 @@ and transformers' save_pretrained / from_pretrained on a tiny LlamaForCausalLM (
 import glob
 import json
 import os
+import struct
 import warnings
+import zipfile
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from safetensors.torch import load_file, save_file
 import fsdp_legacy
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy.checkpoint import load_full_model, save_full_model
+from fsdp_legacy.safetensors_format import read_safetensors_header
 from fsdp_legacy.state import hf_checkpoint
 from fsdp_utils import Config, build_ours, build_torch_fsdp, full_params, train
 from harness import run_on_ranks
@@ -303,6 +306,62 @@ def _errors(directory: str) -> list[str]:
 def test_errors_raise_on_every_rank_naming_key_and_file(tmp_path) -> None:
     messages = run_on_ranks(_errors, 2, str(tmp_path))
     assert messages[0] == messages[1], "every rank raises the same error"
+
+
+def _flip_a_data_bit(directory: str, key: str, safe: bool) -> None:
+    """On rank 0, one bit of `key`'s bytes in whichever file of `directory` holds it (bytes in the file only: the
+    header and the archive's records stay as written)."""
+    if dist.get_rank() == 0:
+        if safe:
+            for path in glob.glob(os.path.join(directory, "*.safetensors")):
+                header = read_safetensors_header(path)
+                if key in header.tensors:
+                    position = header.tensors[key].start + header.tensors[key].nbytes // 2
+                    break
+        else:
+            (path,) = glob.glob(os.path.join(directory, "*.bin"))
+            with zipfile.ZipFile(path) as archive:  # the largest data record: the tensors' bytes
+                info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+            with open(path, "rb") as file:
+                file.seek(info.header_offset + 26)
+                name_length, extra_length = struct.unpack("<HH", file.read(4))
+            position = info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+        with open(path, "r+b") as file:
+            file.seek(position)
+            byte = file.read(1)[0]
+            file.seek(position)
+            file.write(bytes([byte ^ 0x10]))
+    dist.barrier()
+
+
+def _refuses_flipped_data(directory: str, max_shard_size: str, safe: bool) -> str:
+    config = Config("transformer", steps=1)
+    _, ours = build_ours(config)
+    save_full_model(ours, directory, max_shard_size=max_shard_size, safe_serialization=safe)
+    _flip_a_data_bit(directory, "blocks.1.mlp.0.weight", safe)
+    _, fresh = build_ours(config, seed=1)
+    before = params_and_buffers(fresh)
+    pattern = "does not match the CRC-32" if safe else "corrupted: its record .* does not match the CRC-32"
+    with pytest.raises(RuntimeError, match=pattern) as caught:
+        load_full_model(fresh, directory)
+    assert_equal(params_and_buffers(fresh), before, "the model is left untouched")
+    if safe:
+        assert "blocks.1.mlp.0.weight" in str(caught.value), "the changed tensor is named"
+    # the oracle that the flip reached data that loads: unchecked, the load differs from what was saved
+    load_full_model(fresh, directory, verify_data=False)
+    loaded, saved = params_and_buffers(fresh), params_and_buffers(ours)
+    assert any(not torch.equal(loaded[k], saved[k]) for k in saved), "the flipped bit loads when unchecked"
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "world_size,max_shard_size,safe", [(2, "5GB", True), (2, "3KB", True), (4, "5GB", True), (2, "5GB", False)]
+)
+def test_flipped_data_bit_refused_on_every_rank(tmp_path, world_size, max_shard_size, safe) -> None:
+    """save_full_model seals a CRC-32 per tensor into each header (torch.save one per record): load_full_model checks
+    them, the ranks sharing the reading, before anything is copied."""
+    messages = run_on_ranks(_refuses_flipped_data, world_size, str(tmp_path / "out"), max_shard_size, safe)
+    assert len(set(messages)) == 1, "every rank raises the same error"
 
 
 # --------------------------------------------------------------------------------------------------------------------
