@@ -234,6 +234,13 @@ class DcpCheckpoint(Checkpoint):
                     f"{value.dtype} data, but {METADATA_FILE} declares {self.leaves[path].dtype}: the checkpoint is "
                     "damaged or was edited."
                 )
+            if not _as_dcp_writes(value):
+                raise CheckpointError(
+                    f"{self.location}/{item.file}: the item of {dotted(path)} at offset {item.offset} is a view "
+                    f"(storage offset {value.storage_offset()}, strides {value.stride()}, of a storage of "
+                    f"{value.untyped_storage().nbytes()} bytes) where dcp.save writes each tensor in a storage of "
+                    "its own bytes: the checkpoint is damaged or was edited."
+                )
             self._cache = (item, value)
         return self._cache[1]
 
@@ -252,6 +259,21 @@ class DcpCheckpoint(Checkpoint):
             check_archive(view, where)
             view.seek(0)
             return safe_load(view, where)
+
+
+def _as_dcp_writes(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` lies in a storage of exactly its own bytes, each element once (any order of dimensions): how
+    dcp.save writes every item (it clones any tensor that is a view of a larger storage)."""
+    if tensor.numel() == 0:
+        return True
+    if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return False
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(tensor.shape, tensor.stride(), strict=True) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def check_stamps(directory: str, metadata: Metadata, storage: Mapping) -> None:

@@ -30,7 +30,8 @@ def safe_load(file: str | BinaryIO, where: str, mmap: bool = False) -> Any:
             "could run arbitrary code, so it is refused (torch.load(weights_only=True)). If you trust the file's "
             "origin, load it yourself with weights_only=False and save its tensors again with torch.save."
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as error:
+    except (RuntimeError, EOFError, OSError, ValueError, TypeError, OverflowError, IndexError, KeyError) as error:
+        # (a tensor rebuilt with arguments no save writes: a size of None, an offset past the storage...)
         raise _corrupted(where, error) from None
 
 

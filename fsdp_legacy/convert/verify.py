@@ -54,6 +54,7 @@ class Candidate:
 class Verified:
     checked: str  # what was checked, in words
     save_id: str | None
+    sealed: bool  # whether its saver sealed it (identities and CRC-32s of ours), not only torch's own CRC-32s
 
 
 def classify(path: str) -> str | None:
@@ -133,8 +134,12 @@ def verify(path: str, fmt: str, share: tuple[int, int] = (0, 1)) -> Verified:
                     check_archive(handle, file)
         checkpoint = RankFiles(files, path, crc_checked=set(files[share[0] :: share[1]]))
         save_id = next((r.save_id for r in checkpoint.side_records.values() if r.save_id), None)
+        identified = bool(checkpoint.side_records) and all(r.save_id for r in checkpoint.side_records.values())
         return Verified(
-            f"every rank's file of {checkpoint.world_size} present, CRC-32s of the archives, save identities", save_id
+            f"every rank's file of {checkpoint.world_size} present, CRC-32s of the archives"
+            + (", save identities" if identified else " (no save identities)"),
+            save_id,
+            identified,
         )
     return _verify_full(path, share)
 
@@ -157,6 +162,7 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
             "every item's CRC-32s, dtype and shape against .metadata (saved by dcp.save itself: no save identity "
             "or CRC-32 of whole files)",
             getattr(metadata.storage_meta, "save_id", None),
+            False,
         )
     missing = sorted(set(names) - set(side.files))
     if missing:
@@ -165,7 +171,7 @@ def _verify_dcp(path: str, share: tuple[int, int]) -> Verified:
             "mixes saves."
         )
     check_files(path, side, sorted(side.files)[share[0] :: share[1]])
-    return Verified("one save (identities), CRC-32 of every file", side.save_id)
+    return Verified("one save (identities), CRC-32 of every file", side.save_id, True)
 
 
 def _verify_full(path: str, share: tuple[int, int]) -> Verified:
@@ -179,7 +185,7 @@ def _verify_full(path: str, share: tuple[int, int]) -> Verified:
         for name in files[share[0] :: share[1]]:
             with open(os.path.join(path, name), "rb") as file:
                 check_archive(file, os.path.join(path, name))
-        return Verified("every file present, CRC-32s of the torch.save archives, one save", None)
+        return Verified("every file present, CRC-32s of the torch.save archives, one save", None, False)
     headers = {name: read_safetensors_header(os.path.join(path, name)) for name in files}
     for name, header in headers.items():
         if SAVED_AT in header.metadata:
@@ -199,4 +205,5 @@ def _verify_full(path: str, share: tuple[int, int]) -> Verified:
         )
         + (", the headers' seals" if header_sealed else " (header-unsealed)"),
         next(iter(save_ids)) if len(save_ids) == 1 else None,
+        sealed and header_sealed,
     )

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..convert.verify import Candidate, candidate, classify, verify
+from ..convert.verify import Candidate, Verified, candidate, classify, verify
 
 _logger = logging.getLogger("fsdp_legacy.checkpoint")
 _TEMPORARY = re.compile(r"\.(.+)\.(tmp|old)-[0-9a-f]{8}-\d+-\d+-.+")  # convert/atomic.py's _sibling names
@@ -81,20 +81,26 @@ def search(
         kind, message = listing.error
         raise (FileNotFoundError if kind == "FileNotFoundError" else NotADirectoryError)(message)
     skipped = list(listing.skipped)
-    for found in sorted(listing.candidates, key=lambda c: (c.saved_at, c.path), reverse=True):
-        try:
-            verified = verify(found.path, found.format, (rank, size))
-            verdict: Any = (None, verified)
-        except Exception as error:  # any failure is this candidate's fault; every rank must still answer
-            verdict = (f"{str(error) or type(error).__name__}", None)
-        verdicts = _gather(verdict, process_group, size)
-        faults = [(r, reason) for r, (reason, _) in enumerate(verdicts) if reason is not None]
-        if faults:
-            where, reason = faults[0]
-            reason = reason.removeprefix(f"{found.path}: ")  # (the path is the skipped entry's own)
-            skipped.append(SkippedCheckpoint(found.path, reason if where == 0 else f"{reason} (on rank {where})"))
+    ordered = sorted(listing.candidates, key=lambda c: (c.saved_at, c.path), reverse=True)
+    for index, found in enumerate(ordered):
+        verified = _checked(found, rank, size, process_group, skipped)
+        if verified is None:
             continue
-        verified = verdicts[0][1]
+        if not verified.sealed and found.step is not None:  # a sealed save of the same step is preferred
+            for other in ordered[index + 1 :]:
+                if other.step != found.step:
+                    continue
+                sealed = _checked(other, rank, size, process_group, skipped)
+                if sealed is not None and sealed.sealed:
+                    skipped.append(
+                        SkippedCheckpoint(
+                            found.path,
+                            f"it carries no seal of its saver ({verified.checked}): {other.path}, of the same step "
+                            f"{found.step} and sealed, is preferred",
+                        )
+                    )
+                    found, verified = other, sealed
+                    break
         _log(rank, skipped)
         chosen = LatestCheckpoint(
             found.path,
@@ -109,6 +115,24 @@ def search(
         return chosen, chosen.skipped
     _log(rank, skipped)
     return None, tuple(skipped)
+
+
+def _checked(
+    found: Candidate, rank: int, size: int, process_group: dist.ProcessGroup | None, skipped: list[SkippedCheckpoint]
+) -> Verified | None:
+    """`found` verified by every rank (each its share), or None with the first fault appended to `skipped`."""
+    try:
+        verdict: Any = (None, verify(found.path, found.format, (rank, size)))
+    except Exception as error:  # any failure is this candidate's fault; every rank must still answer
+        verdict = (f"{str(error) or type(error).__name__}", None)
+    verdicts = _gather(verdict, process_group, size)
+    faults = [(r, reason) for r, (reason, _) in enumerate(verdicts) if reason is not None]
+    if faults:
+        where, reason = faults[0]
+        reason = reason.removeprefix(f"{found.path}: ")  # (the path is the skipped entry's own)
+        skipped.append(SkippedCheckpoint(found.path, reason if where == 0 else f"{reason} (on rank {where})"))
+        return None
+    return verdicts[0][1]
 
 
 def _log(rank: int, skipped: list[SkippedCheckpoint]) -> None:

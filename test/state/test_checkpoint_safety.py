@@ -11,6 +11,8 @@ import enum
 import glob
 import os
 import pickle
+import random
+import sys
 import warnings
 
 import pytest
@@ -19,6 +21,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
 import repo_paths
+
+sys.path.insert(0, str(repo_paths.TOOLS))
+from checkpoint_fuzz.hostile import REBUILD_EDITS, replace_dcp_item, with_hostile_rebuild
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType
 from fsdp_legacy.convert import CheckpointError, FlatParamRecord, ParamRecord, convert_checkpoint, torch_file
@@ -294,6 +299,28 @@ def test_dcp_metadata_of_python_3_11_early_releases_is_read(tmp_path) -> None:
         with pytest.raises(CheckpointError, match=refused):
             read_metadata(str(metadata_file))
     assert not os.path.exists(marker)
+
+
+@pytest.mark.parametrize("edit", sorted(REBUILD_EDITS))
+def test_tensor_rebuilds_no_save_writes_are_refused(tmp_path, edit: str) -> None:
+    """A DCP item's torch.save pickle rebuilding its tensor with a storage offset, size or stride no save writes (the
+    archive's CRC-32s valid, .metadata consistent): one CheckpointError naming the item, never a traceback or a view
+    of the wrong elements. (tools/checkpoint_fuzz fuzzes the same edits over every format.)"""
+    state = {"model": {"w": torch.randn(4, 6), "b": torch.randn(3)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "saved"), no_dist=True)
+    metadata = dcp.FileSystemReader(str(tmp_path / "saved")).read_metadata()
+    (index,) = [i for i in metadata.storage_data if i.fqn == "model.w"]
+    info = metadata.storage_data[index]
+    with open(tmp_path / "saved" / str(info.relative_path), "rb") as handle:
+        handle.seek(int(info.offset))
+        item, _ = with_hostile_rebuild(handle.read(int(info.length)), random.Random(0), edit)
+    replace_dcp_item(tmp_path / "saved", index, item)
+    with pytest.raises(
+        CheckpointError, match=r"model\.w.* (cannot be read: it is truncated or corrupted|is a view|is not)"
+    ):
+        convert_checkpoint(str(tmp_path / "saved"), str(tmp_path / "full.pt"), to="full")
 
 
 class _GetattrOf:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from fsdp_legacy import FullyShardedDataParallel as FSDP
 from fsdp_legacy import StateDictType, dcp_checkpoint
@@ -241,3 +242,44 @@ def test_an_empty_root_and_non_checkpoints(tmp_path) -> None:
     (tmp_path / "logs" / "events.txt").write_text("not a checkpoint")
     (tmp_path / "notes.txt").write_text("")
     assert latest(str(tmp_path)) is None
+
+
+def _sealed_and_plain(root: str) -> None:
+    """At each step, our sealed DCP save (step_<n>) and then, as an exporter might, torch's plain dcp.save of the same
+    state (export_<n>, newer, carrying no seal of ours)."""
+    model = build_ours(CONFIG)[1]
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(1, STEPS + 1):
+        loss_of(model(batch(CONFIG, step))).backward()
+        optim.step()
+        optim.zero_grad()
+        _save(model, optim, "dcp", os.path.join(root, f"step_{step}"))
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+        dcp.save(state, checkpoint_id=os.path.join(root, f"export_{step}"))
+    dist.barrier()
+
+
+def test_a_sealed_checkpoint_is_preferred_over_an_unsealed_one_of_its_step(tmp_path) -> None:
+    """Of two intact checkpoints of one step, the sealed one (save identities and CRC-32s of every file) is chosen
+    though the unsealed one is newer, on every rank and offline; the unsealed one is listed with the reason. A newer
+    step still wins unsealed, and where the sealed one is damaged the unsealed one of its step is taken."""
+    root = str(tmp_path)
+    run_on_ranks(_sealed_and_plain, 2, root)
+    sealed, plain = os.path.join(root, f"step_{STEPS}"), os.path.join(root, f"export_{STEPS}")
+    assert os.path.getmtime(os.path.join(plain, ".metadata")) > os.path.getmtime(os.path.join(sealed, ".metadata"))
+    found = run_on_ranks(latest, 2, root)
+    assert found[0] == found[1] and found[0] is not None
+    offline = latest(root)
+    for result in (found[0], offline):
+        assert result is not None and result.path == sealed, result
+        assert result.checked == "one save (identities), CRC-32 of every file"
+        reasons = {s.path: s.reason for s in result.skipped}
+        assert set(reasons) == {plain} and "carries no seal" in reasons[plain] and sealed in reasons[plain]
+    _flip(sealed)  # the sealed one damaged: the intact unsealed one of the same step is the answer
+    result = latest(root)
+    assert result is not None and result.path == plain and "no save identity" in result.checked
+    assert {s.path for s in result.skipped} == {sealed}
+    shutil.copytree(plain, os.path.join(root, f"export_{STEPS + 1}"))  # an unsealed newer step
+    result = latest(root)
+    assert result is not None and result.path == os.path.join(root, f"export_{STEPS + 1}")

@@ -120,9 +120,13 @@ class Campaign:
         name = list(FORMATS)[index % len(FORMATS)]
         return self.sources[name], random.Random(f"{seed}:{index}")
 
-    def run_case(self, seed: int, index: int) -> CaseResult:
+    def run_case(self, seed: int, index: int, only: str | None = None) -> CaseResult:
+        """Case `index` of `seed`: a mutation of a kind drawn from those that apply (or the kind named `only`)."""
         source, rng = self.plan(seed, index)
-        kind = rng.choice([k for k in KINDS if k.applies(source)])
+        kinds = [k for k in KINDS if k.applies(source) and only in (None, k.name)]
+        if not kinds:
+            raise ValueError(f"no mutation {only!r} applies to {source.name}")
+        kind = rng.choice(kinds)
         copy = self._fresh_copy(source)
         shutil.rmtree(self.marker, ignore_errors=True)
         mutation = kind.mutate(copy, source, rng, self.marker)

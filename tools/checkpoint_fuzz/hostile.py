@@ -8,6 +8,7 @@ import io
 import os
 import pickle
 import random
+import types
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -117,3 +118,62 @@ HOSTILE_VALUES: dict[str, Callable[[Any, random.Random], None]] = {
     ),
     "a tensor's entry of None": lambda m, r: m.state_dict_metadata.__setitem__(_tensor_entries(m)[0], None),
 }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Hostile values in torch.save's tensor rebuilds (each gives `_rebuild_tensor_v2` arguments that no save writes, with
+# the archive's CRC-32s valid)
+
+_Geometry = Callable[[torch.Tensor], tuple[int, Any, Any]]  # -> (offset, size, stride)
+
+REBUILD_EDITS: dict[str, _Geometry] = {
+    "a storage offset of 2**40": lambda t: (2**40, tuple(t.shape), t.stride()),
+    "a storage offset of -1": lambda t: (-1, tuple(t.shape), t.stride()),
+    "a size of 2**31 x 2**31": lambda t: (0, (2**31, 2**31), (2**31, 1)),
+    "a negative size": lambda t: (0, (-1,), (1,)),
+    "a size past its storage's end": lambda t: (0, (t.numel() + 1,), (1,)),
+    "a stride of 0 (every element the first)": lambda t: (0, tuple(t.shape), (0,) * t.dim()),
+    "a negative stride": lambda t: (t.numel() - 1, (t.numel(),), (-1,)),
+    "the elements shifted by one": lambda t: (1, (t.numel() - 1,), (1,)),
+    "a size of floats": lambda t: (0, tuple(float(s) for s in t.shape), t.stride()),
+    "a size of None": lambda t: (0, None, t.stride()),
+}
+
+
+def _hostile_pickler(target: torch.Tensor, geometry: _Geometry) -> Any:
+    """A pickle module for torch.save whose Pickler writes `target`'s rebuild with `geometry`'s arguments."""
+    from collections import OrderedDict
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if obj is not target:
+                return NotImplemented
+            storage = torch.storage.TypedStorage(wrap_storage=obj.untyped_storage(), dtype=obj.dtype, _internal=True)
+            offset, size, stride = geometry(obj)
+            return torch._utils._rebuild_tensor_v2, (storage, offset, size, stride, False, OrderedDict())
+
+    return types.SimpleNamespace(Pickler=Pickler, __name__="pickle")
+
+
+def with_hostile_rebuild(archive: bytes, rng: random.Random, edit: str | None = None) -> tuple[bytes, str]:
+    """The torch.save archive `archive` (tensors in plain containers) saved again with one tensor's rebuild given
+    hostile arguments (REBUILD_EDITS[edit], or one drawn); what was done."""
+    state = torch.load(io.BytesIO(archive), map_location="cpu", weights_only=True)
+    tensors = [t for t in _tensors_in(state) if t.numel() > 0]
+    target = rng.choice(tensors) if tensors else None
+    if target is None:
+        return archive, "no tensor with elements to rebuild: left intact"
+    name = edit or rng.choice(sorted(REBUILD_EDITS))
+    out = io.BytesIO()
+    torch.save(state, out, pickle_module=_hostile_pickler(target, REBUILD_EDITS[name]))
+    return out.getvalue(), f"a tensor of shape {tuple(target.shape)} rebuilt with {name}"
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []

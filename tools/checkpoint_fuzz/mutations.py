@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .damage import flip_bit, set_record_field
-from .hostile import HOSTILE_VALUES, code_pickles, replace_dcp_item, with_pickle
+from .hostile import HOSTILE_VALUES, code_pickles, replace_dcp_item, with_hostile_rebuild, with_pickle
 from .regions import Region, files_of
 
 
@@ -310,6 +310,30 @@ def edit_zip_entry(copy: Path, source: Source, rng: random.Random, marker: Path)
     return f"{_named(file)}: the {field} of its zip entry {record} set to {value:#x}"
 
 
+def hostile_rebuild(copy: Path, source: Source, rng: random.Random, marker: Path) -> str:
+    """One tensor of a torch.save archive (a DCP item, or a whole torch.save file) rebuilt with a storage offset, size
+    or stride that no save writes, the archive's CRC-32s valid (DCP: offsets moved, .metadata rewritten)."""
+    if source.is_dcp:
+        metadata = dcp.FileSystemReader(str(copy)).read_metadata()
+        tensors = [
+            i
+            for i in metadata.storage_data
+            if isinstance(metadata.state_dict_metadata.get(i.fqn), TensorStorageMetadata)
+        ]
+        index = rng.choice(sorted(tensors, key=str))
+        info = metadata.storage_data[index]
+        with open(copy / str(info.relative_path), "rb") as handle:
+            handle.seek(int(info.offset))
+            item, what = with_hostile_rebuild(handle.read(int(info.length)), rng)
+        replace_dcp_item(copy, index, item)
+        return f"the item of {index.fqn}: {what} (valid CRC-32s, offsets moved)"
+    file = rng.choice([f for f in source.archives if f == "" or "rank" not in f])
+    path = _at(copy, file)
+    archive, what = with_hostile_rebuild(path.read_bytes(), rng)
+    path.write_bytes(archive)
+    return f"{_named(file)}: {what} (the archive's CRC-32s valid)"
+
+
 @dataclass(frozen=True)
 class Kind:
     name: str
@@ -336,4 +360,5 @@ KINDS: tuple[Kind, ...] = (
     Kind("edit zip entry", edit_zip_entry, lambda s: s.is_dcp or bool(s.archives)),
     Kind("hostile values", hostile_values, lambda s: s.is_dcp),
     Kind("hostile pickle", hostile_pickle, lambda s: s.is_dcp or bool(s.archives)),
+    Kind("hostile rebuild", hostile_rebuild, lambda s: s.is_dcp or any(f == "" or "rank" not in f for f in s.archives)),
 )
