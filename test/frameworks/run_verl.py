@@ -11,19 +11,22 @@ base weights before the base model is synced) and the merged weights. See common
 test_verl.py compares the runs.
 
 Each rank writes DIR/<run>/rank<r>.pt (every tensor a stage produced, by stage) and rank 0 DIR/results.json (what is not
-a tensor). verl 0.9.1 assumes an accelerator; `verl_on_cpu` gives it the CPU in the same way on both implementations.
+a tensor). verl 0.9.1 assumes an accelerator; `verl_on_cpu` gives it the CPU, the same for both implementations, and
+works around two of torch's FSDP1's CPU failures for the oracle run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from common import check_impl, fsdp_class, full_params, parse_args, run_all
@@ -47,6 +50,7 @@ RUNS = [
     Run("lora_bf16_uop", use_orig_params=True, param_dtype="bf16", lora=True),
 ]
 STEPS, SAVED_AT, BATCH, PROMPT, RESPONSE = 5, 3, 4, 4, 4
+LORA_RANK, LORA_ALPHA, CLIP = 4, 8, 0.03
 
 
 def verl_on_cpu(impl: str) -> None:
@@ -120,8 +124,8 @@ def build_engine(run: Run, model_path: str) -> Any:
         path=model_path,
         use_remove_padding=False,  # packed sequences need flash attention
         override_config={"attn_implementation": "eager"},
-        lora_rank=4 if run.lora else 0,
-        lora_alpha=8,
+        lora_rank=LORA_RANK if run.lora else 0,
+        lora_alpha=LORA_ALPHA,
     )
     engine = FSDPEngineWithLMHead(
         model,
@@ -132,7 +136,7 @@ def build_engine(run: Run, model_path: str) -> Any:
             fsdp_size=2,  # eval mode then reshards the root's handle on exit (`module._handle.reshard(True)`)
             mixed_precision={"param_dtype": run.param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
         ),
-        FSDPOptimizerConfig(lr=1e-2, clip_grad=0.05),  # below the first gradient norms: every step is clipped
+        FSDPOptimizerConfig(lr=1e-2, clip_grad=CLIP),  # below the full models' gradient norms: their steps clip
         CheckpointConfig(),
     )
     with materialising():
@@ -296,8 +300,10 @@ def train_run(run: Run, impl: str, directory: str) -> dict:
     dist.barrier()
     found: dict[str, torch.Tensor] = {}
     torch.manual_seed(0)  # LoRA's adapters are initialised on rank 0, then broadcast
+    random.seed(0), np.random.seed(0)  # verl's checkpoints hold these RNGs' states too
     engine = build_engine(run, model_path)
-    result: dict[str, Any] = {"config": asdict(run), "fsdp": check_impl(impl, engine.module)}
+    result: dict[str, Any] = {"config": asdict(run), "fsdp": check_impl(impl, engine.module), "clip": CLIP}
+    result["lora_scaling"] = LORA_ALPHA / LORA_RANK
     fsdp = fsdp_class()
     result["units"] = [name for name, m in engine.module.named_modules() if isinstance(m, fsdp)]
     result["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
@@ -307,6 +313,7 @@ def train_run(run: Run, impl: str, directory: str) -> dict:
         log_probs(engine, found, step)
         ppo_step(engine, step, found, "train")
         offload_and_reload(engine, found, step)
+    found |= {f"saved/full/{k}": v for k, v in full_params(engine.module).items()}
     engine.save_checkpoint(checkpoint, global_step=SAVED_AT)
     result["exported"] = weight_sync(engine, run, found)
     for step in range(SAVED_AT, STEPS):  # after the exports: they must have left the model as it was
