@@ -115,7 +115,9 @@ def materialising() -> Iterator[None]:
         fsdp_utils.get_device_id = index
 
 
-def build_engine(run: Run, model_path: str) -> Any:
+def build_engine(run: Run, model_path: str, forward_only: bool = False) -> Any:
+    """verl's engine from verl's configs; `forward_only` is verl's reference policy (CPUOffload(offload_params=True),
+    no optimizer)."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -131,6 +133,7 @@ def build_engine(run: Run, model_path: str) -> Any:
         model,
         FSDPEngineConfig(
             strategy="fsdp",
+            forward_only=forward_only,
             use_orig_params=run.use_orig_params,
             use_torch_compile=False,
             fsdp_size=2,  # eval mode then reshards the root's handle on exit (`module._handle.reshard(True)`)
@@ -245,12 +248,12 @@ def offload_and_reload(engine: Any, found: dict[str, torch.Tensor], step: int) -
         found[f"reloaded/step{step}/{unit}"] = shard
 
 
-def log_probs(engine: Any, found: dict[str, torch.Tensor], step: int) -> None:
+def log_probs(engine: Any, found: dict[str, torch.Tensor], prefix: str) -> None:
     """verl's compute_log_prob: the engine in eval mode, `infer_batch`, log-probabilities and entropies."""
     with engine.eval_mode():
-        output = engine.infer_batch(ppo_batch(step, train=False))
+        output = engine.infer_batch(ppo_batch(0, train=False))
     for key in ("log_probs", "entropy"):
-        found[f"infer/step{step}/{key}"] = output["model_output"][key].values().detach().clone()
+        found[f"{prefix}/{key}"] = output["model_output"][key].values().detach().clone()
 
 
 def exported(prefix: str, params: Any, found: dict[str, torch.Tensor]) -> list[str]:
@@ -309,8 +312,16 @@ def train_run(run: Run, impl: str, directory: str) -> dict:
     result["param_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
     found |= {f"setup/shard/{k}": v for k, v in local_shards(engine).items()}
     found |= {f"setup/full/{k}": v for k, v in full_params(engine.module).items()}
+    result["reference_offloads"] = None
+    if not run.lora and impl == "ours":  # verl's reference policy of the same weights (with LoRA: the actor without
+        # its adapters). torch's FSDP1 cannot offload parameters with a CPU compute device (it pins them: "Cannot
+        # access accelerator device"), so there the actor's log-probabilities before training are the oracle.
+        reference = build_engine(run, model_path, forward_only=True)
+        result["reference_offloads"] = [unit.cpu_offload.offload_params for unit in fsdp.fsdp_modules(reference.module)]
+        log_probs(reference, found, "reference")
+        del reference
     for step in range(SAVED_AT):
-        log_probs(engine, found, step)
+        log_probs(engine, found, f"infer/step{step}")
         ppo_step(engine, step, found, "train")
         offload_and_reload(engine, found, step)
     found |= {f"saved/full/{k}": v for k, v in full_params(engine.module).items()}

@@ -71,6 +71,7 @@ def test_verl_engine_stages_equal_torch_fsdp1_bit_for_bit(verl_runs: tuple) -> N
             assert mine[fact] == torch_run[fact], f"{name}: {fact}"
         for rank in range(RANKS):
             found, expected = _stages(our_dir, name, rank), _stages(their_dir, name, rank)
+            found = {k: v for k, v in found.items() if not k.startswith("reference/")}  # ours only: see below
             assert found.keys() == expected.keys(), f"{name}: {sorted(set(found) ^ set(expected))[:5]}"
             for key, value in found.items():
                 _bitwise(value, expected[key], f"{name}, rank {rank}: {key}")
@@ -151,6 +152,10 @@ def _consistent(name: str, result: dict, out: Path, rank: int) -> None:
     weights = _under(found, "saved/full")
     if not result["config"]["lora"]:
         assert min(norms) > result["clip"], f"{name}: the full model's steps clip ({norms})"
+        if result["reference_offloads"] is not None:  # ours: verl's reference policy, CPUOffload(offload_params=True)
+            assert result["reference_offloads"] and all(result["reference_offloads"]), name
+            for key in ("log_probs", "entropy"):  # as the actor's before training, which equal torch's FSDP1's
+                assert torch.equal(found[f"reference/{key}"], found[f"infer/step0/{key}"]), f"{name}: reference {key}"
         sync, shards = _under(found, "sync"), _under(found, "sync_shard")
         assert list(sync) == result["exported"]["sync"] and sync.keys() == shards.keys() == weights.keys()
         for key, value in sync.items():  # the full weights at the save, and each rank's dim-0 chunk in bf16
@@ -184,6 +189,7 @@ def test_verl_stages_agree_among_themselves(verl_runs: tuple) -> None:
         (True, False),
         (True, True),
     }
+    assert all(run["reference_offloads"] for run in ours.values() if not run["config"]["lora"])
     for results, out in ((ours, our_dir), (theirs, their_dir)):
         for name, result in results.items():
             assert any(".lora_" in unit for unit in result["units"]) == result["config"]["lora"], name
