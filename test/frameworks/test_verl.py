@@ -3,7 +3,9 @@ side by side on 2 CPU ranks (test/frameworks/run_verl.py): set-up, PPO updates, 
 reload, checkpoint save, load and resume, weight sync and the three LoRA export paths, use_orig_params both ways, fp32
 and verl's bf16 mixed precision. Every tensor every stage produced, and every tensor of every checkpoint file, equal
 torch's FSDP1's bit for bit; and the stages agree among themselves (a resume continues as the run without a break, a
-weight sync sends the weights the checkpoint holds, a merged LoRA export is the base plus the adapters).
+weight sync sends the weights the checkpoint holds, a merged LoRA export is the base plus the adapters). verl's
+reference policy (parameters offloaded to the CPU, which torch's FSDP1 cannot do with a CPU compute device) runs on
+ours only, against the actor's log-probabilities before training.
 
 Needs verl, installed as CI installs it (`.ci/run`: verl 0.9.1 without its dependencies, the few packages its FSDP
 modules import, peft 0.20.0); `pytest -m verl`. Skipped where verl is not installed.
