@@ -39,6 +39,7 @@ class Run:
     use_orig_params: bool
     param_dtype: str  # verl's mixed_precision.param_dtype (fp32: no casting; bf16: verl's default)
     lora: bool = False  # model_config.lora_rank > 0: verl makes the PEFT model and wraps each adapter leaf
+    fsdp_size: int = 2  # 2: FULL_SHARD over both ranks; 1: verl's 2-D ("ddp", "fsdp") mesh, HYBRID_SHARD
 
 
 RUNS = [
@@ -48,6 +49,7 @@ RUNS = [
     Run("bf16_uop", use_orig_params=True, param_dtype="bf16"),
     Run("lora", use_orig_params=False, param_dtype="fp32", lora=True),
     Run("lora_bf16_uop", use_orig_params=True, param_dtype="bf16", lora=True),
+    Run("hsdp", use_orig_params=False, param_dtype="fp32", fsdp_size=1),
 ]
 STEPS, SAVED_AT, BATCH, PROMPT, RESPONSE = 5, 3, 4, 4, 4
 LORA_RANK, LORA_ALPHA, CLIP = 4, 8, 0.03
@@ -136,7 +138,7 @@ def build_engine(run: Run, model_path: str, forward_only: bool = False) -> Any:
             forward_only=forward_only,
             use_orig_params=run.use_orig_params,
             use_torch_compile=False,
-            fsdp_size=2,  # eval mode then reshards the root's handle on exit (`module._handle.reshard(True)`)
+            fsdp_size=run.fsdp_size,  # > 1: eval mode reshards the root's handle on exit (`_handle.reshard(True)`)
             mixed_precision={"param_dtype": run.param_dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
         ),
         FSDPOptimizerConfig(lr=1e-2, clip_grad=CLIP),  # below the full models' gradient norms: their steps clip

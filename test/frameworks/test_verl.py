@@ -27,6 +27,8 @@ from torchrun import torchrun
 
 pytestmark = pytest.mark.verl
 RANKS = 2
+HYBRID, FULL_SHARD_TWIN = "hsdp", "fp32"  # verl's fsdp_size=1 (HYBRID_SHARD, shard groups of one), and the same run
+# with fsdp_size=2 (FULL_SHARD): data parallel over the same 2 ranks, the same training
 CHECKPOINT_FILES = ("model", "optim", "extra_state")
 
 
@@ -64,9 +66,11 @@ def _bitwise(mine: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 def test_verl_engine_stages_equal_torch_fsdp1_bit_for_bit(verl_runs: tuple) -> None:
     ours, theirs, our_dir, their_dir = verl_runs
-    assert ours.keys() == theirs.keys() and len(ours) == 6
+    assert ours.keys() == theirs.keys() and len(ours) == 7
     compared = 0
     for name, mine in ours.items():
+        if name == HYBRID:  # torch's FSDP1 trains its replicas apart there: the next test
+            continue
         torch_run = theirs[name]
         assert mine["fsdp"].startswith("fsdp_legacy") and torch_run["fsdp"].startswith("torch.distributed.fsdp")
         for fact in ("units", "param_dtypes", "exported", "checkpoint_files"):  # the wrapping verl chose, and so on
@@ -120,7 +124,7 @@ def _same_value(mine: Any, expected: Any, what: str) -> int:
 def test_verl_checkpoint_manager_files_hold_torch_fsdp1s_tensors(verl_runs: tuple) -> None:
     ours, _, our_dir, their_dir = verl_runs
     compared = 0
-    for name in ours:
+    for name in ours.keys() - {HYBRID}:
         for kind in CHECKPOINT_FILES:
             for rank in range(RANKS):
                 relative = Path(name) / "checkpoints" / "global_step_3" / f"{kind}_world_size_{RANKS}_rank_{rank}.pt"
@@ -162,8 +166,10 @@ def _consistent(name: str, result: dict, out: Path, rank: int) -> None:
         assert list(sync) == result["exported"]["sync"] and sync.keys() == shards.keys() == weights.keys()
         for key, value in sync.items():  # the full weights at the save, and each rank's dim-0 chunk in bf16
             assert torch.equal(value, weights[key]), f"{name}: weight sync {key}"
-            chunks = value.to(torch.bfloat16).chunk(RANKS, dim=0)
-            local = chunks[rank].reshape(-1) if rank < len(chunks) else value.new_zeros(0, dtype=torch.bfloat16)
+            shard_ranks = RANKS if result["config"]["fsdp_size"] > 1 else 1  # hybrid: a shard group of one
+            chunks = value.to(torch.bfloat16).chunk(shard_ranks, dim=0)
+            index = rank % shard_ranks
+            local = chunks[index].reshape(-1) if index < len(chunks) else torch.zeros(0, dtype=torch.bfloat16)
             assert torch.equal(shards[key], local), f"{name}: sharded weight sync {key}"
         return
     layered, full = _under(found, "lora_layered"), _under(found, "lora_full")
@@ -197,3 +203,31 @@ def test_verl_stages_agree_among_themselves(verl_runs: tuple) -> None:
             assert any(".lora_" in unit for unit in result["units"]) == result["config"]["lora"], name
             for rank in range(RANKS):
                 _consistent(name, result, out, rank)
+
+
+def test_verl_hybrid_shard_trains_as_full_shard_where_torch_fsdp1_trains_replicas_apart(verl_runs: tuple) -> None:
+    """verl's fsdp_size=1 on 2 ranks: a (2, 1) mesh, HYBRID_SHARD with shard groups of one rank. torch's FSDP1 clamps
+    each unit to NO_SHARD over its one-rank shard group ("switching to use NO_SHARD ... since the world size is 1")
+    and so never reduces gradients across the replicas: each rank trains on its own data alone, silently. Ours
+    replicates over the replicate group, so the run equals the FULL_SHARD run of the same data, which equals torch's
+    FSDP1's: every figure, log-probability, full weight, weight sync and resumed step, bit for bit."""
+    ours, theirs, our_dir, their_dir = verl_runs
+    assert ours[HYBRID]["config"]["fsdp_size"] == 1 and ours[FULL_SHARD_TWIN]["config"]["fsdp_size"] == 2
+    assert {k: v for k, v in ours[HYBRID]["config"].items() if k not in ("name", "fsdp_size")} == {
+        k: v for k, v in ours[FULL_SHARD_TWIN]["config"].items() if k not in ("name", "fsdp_size")
+    }
+    compared = 0
+    for rank in range(RANKS):
+        mine, expected = _stages(our_dir, HYBRID, rank), _stages(their_dir, FULL_SHARD_TWIN, rank)
+        for key, value in mine.items():
+            if key.split("/")[0] in ("train", "infer", "saved", "sync", "final", "resumed"):
+                _bitwise(value, expected[key], f"{HYBRID} vs torch's {FULL_SHARD_TWIN}, rank {rank}: {key}")
+                compared += 1
+    assert compared > 200
+
+    def norms(out: Path, rank: int) -> list[float]:
+        found = _stages(out, HYBRID, rank)
+        return [found[f"train/step{step}/grad_norm"].item() for step in range(5)]
+
+    assert norms(our_dir, 0) == norms(our_dir, 1)
+    assert norms(their_dir, 0) != norms(their_dir, 1), "torch's FSDP1 reduces across the replicas now"
