@@ -168,8 +168,11 @@ def _read(
         if arg.star:
             out.problems.append(Problem(arg, "FSDP(..., *args or **kwargs)", *_UNMAPPED))
             continue
-        if arg.keyword is None:
-            out.problems.append(Problem(arg, f"FSDP(..., {code(arg.value)}, ...) passed by position", *_POSITIONAL))
+        if arg.keyword is None:  # (once per call, at its first one)
+            if arg is next(a for a in args if a.keyword is None):
+                count = sum(a.keyword is None and not a.star for a in args)
+                what = f"FSDP(module, {code(arg.value)}{', ...' if count > 1 else ''}): {count} argument(s) by position"
+                out.problems.append(Problem(arg, what, *_POSITIONAL))
             continue
         name, value = arg.keyword.value, arg.value
         if name == "auto_wrap_policy":

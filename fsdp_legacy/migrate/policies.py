@@ -38,6 +38,7 @@ class _Reference:
     `mixed_precision=` of, by the line of the call (None: any other use)."""
 
     name: str
+    line: int
     construction: int | None
     attribute_of: str | None = None  # `module.name`: the local name of the module
 
@@ -108,11 +109,13 @@ class _Read(cst.CSTVisitor):
                 and self._fsdp1(call.func) == "FullyShardedDataParallel"
             ):
                 construction = self.get_metadata(PositionProvider, call).start.line
-        self.references.append(_Reference(node.value, construction))
+        line = self.get_metadata(PositionProvider, node).start.line
+        self.references.append(_Reference(node.value, line, construction))
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if isinstance(node.value, cst.Name):
-            self.references.append(_Reference(node.attr.value, None, node.value.value))
+            line = self.get_metadata(PositionProvider, node).start.line
+            self.references.append(_Reference(node.attr.value, line, None, node.value.value))
 
 
 def _module_names(path: str) -> list[str]:
@@ -197,9 +200,21 @@ class Shared:
         return out
 
     def uses_of(self, path: str) -> dict[str, bool]:
-        """This file's policies that other files use -> whether they may become FSDP2's."""
-        used = {o[1] for p in self.files if p != path for o in self._bound(p).values() if o[0] == path}
+        """This file's policies that other files read (a re-export is no use) -> whether they may become FSDP2's."""
+        used = {o[1] for p in self.files if p != path for _, o in self._origins(p) if o[0] == path}
         return {name: (path, name) not in self.kept for name in used}
+
+    def _origins(self, path: str) -> list[tuple[_Reference, Origin]]:
+        """The references of a file to other files' policies, each with the policy it reads."""
+        bound, modules = self._bound(path), self._modules(path)
+        found = []
+        for ref in self.files[path].references:
+            origin = bound.get(ref.name) if ref.attribute_of is None else None
+            if ref.attribute_of is not None and ref.attribute_of in modules:
+                origin = self.exports[modules[ref.attribute_of]].get(ref.name)
+            if origin is not None:
+                found.append((ref, origin))
+        return found
 
     def update(self, results: Mapping[str, MigrationResult]) -> bool:
         """After a round: the policies that must stay FSDP1's (kept in their own file, or used where FSDP2 cannot
@@ -210,14 +225,11 @@ class Shared:
             for name in read.policies:
                 if not result.changed or name in result.fsdp1_policies:
                     self.kept.setdefault((path, name), f"it stays FSDP1's in {path} (reported there)")
-            bound, modules = self._bound(path), self._modules(path)
-            for ref in read.references:
-                origin = bound.get(ref.name) if ref.attribute_of is None else None
-                if ref.attribute_of is not None and ref.attribute_of in modules:
-                    origin = self.exports[modules[ref.attribute_of]].get(ref.name)
-                if origin is None:
-                    continue
+            for ref, origin in self._origins(path):
                 migrated = result.changed and ref.construction is not None
                 if not migrated or ref.construction in result.fsdp1_constructions:
-                    self.kept.setdefault(origin, f"{path} uses it where FSDP2's policy cannot go (reported there)")
+                    why = (
+                        "an FSDP(...) there stays FSDP1" if ref.construction else "not as FSDP(...)'s mixed_precision="
+                    )
+                    self.kept.setdefault(origin, f"it is used at {path}:{ref.line}, {why}")
         return self.kept != before
