@@ -23,7 +23,9 @@ torch.distributed.checkpoint.state_dict's helpers, as do the optimizer-state cal
 full_/sharded_/shard_full_/scatter_full_optim_state_dict included; rekey_optim_state_dict a helper), a
 summon_full_params block that only reads fsdp_legacy.migrate.runtime.full_params; activation checkpointing applied
 after wrapping moves before it. Comments and formatting are kept (LibCST). What cannot be mapped faithfully is left
-as it was and reported as `file:line: what: why; fix: ...` on stderr. By default the changes are printed as a
+as it was and reported as `file:line: what: why; fix: ...` on stderr. The files given are one program: a subclass of
+FSDP1's class keeps every FSDP1 file of it as it is, a MixedPrecision policy of one file becomes FSDP2's only with
+the constructions of the others that take it. By default the changes are printed as a
 unified diff; nothing is written."""
 
 EXAMPLES = """examples:

@@ -67,6 +67,8 @@ def _merged(
 def policy_call(call: cst.Call) -> cst.Call:
     """`MixedPrecision(...)` as `MixedPrecisionPolicy(...)` with only the arguments FSDP2's policy takes (the caller
     has checked the others carry nothing over), every comment kept."""
+    if not call.args:  # `MixedPrecision()`
+        return call.with_changes(func=cst.Name("MixedPrecisionPolicy"))
     args: list[cst.Arg] = []
     before = call.whitespace_before_args
     for arg in call.args:

@@ -272,3 +272,9 @@ def test_positional_arguments_are_reported_and_their_policy_kept() -> None:
     assert [f.line for f in result.findings] == [7, 11]
     assert result.findings[1].what == "FSDP(module, None, ...): 6 argument(s) by position"
     assert "changed order between releases" in result.findings[1].why and "by keyword" in result.findings[1].fix
+
+
+def test_a_policy_without_arguments() -> None:
+    """`MixedPrecision()` (torch's own default, `mixed_precision or MixedPrecision()`) made the rewriter fail."""
+    result = migrate_source("from torch.distributed.fsdp import MixedPrecision\n\nmp = MixedPrecision()\n")
+    assert (result.migrated.splitlines()[-1], result.findings) == ("mp = MixedPrecisionPolicy()", [])
