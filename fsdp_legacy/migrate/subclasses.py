@@ -1,5 +1,8 @@
-"""Subclasses of FSDP1's class (`class MyFSDP(FSDP):`): a file that defines one, or uses one defined in another file
-of the program, is left as it is, as a whole, and says why.
+"""Files left as they are, as a whole, and why (kind "refused"): never a mix of FSDP1 and FSDP2.
+
+Subclasses of FSDP1's class (`class MyFSDP(FSDP):`): a file that defines one, or uses one defined in another file
+of the program, is left as it is, as a whole, and says why. So is a file whose FSDP(...) calls stay FSDP1 beside
+code the rewrite would change (kept_constructions).
 
 FSDP2 has no class to subclass (fully_shard swaps the module's class in place), so such a class stays FSDP1's; its
 objects would then meet `isinstance(x, FSDP)` and `FSDP.fsdp_modules(m)` rewritten for FSDP2, which match nothing,
@@ -108,3 +111,17 @@ def program_refusal(defined: dict[str, str]) -> Finding:
         "FSDP2 would match nothing; the file is left as it is, as a whole"
     )
     return Finding(1, "a program with a subclass of FSDP1's class", why, _FIX, REFUSED)
+
+
+def kept_constructions(lines: list[int]) -> Finding:
+    """For a file with FSDP(...) calls that stay FSDP1 (reported at their lines) beside code the rewrite would
+    change: that code is left FSDP1's too."""
+    where = ", ".join(map(str, lines))
+    why = (
+        f"FSDP(...) at line{'s' if len(lines) > 1 else ''} {where} stays FSDP1 (the findings there say why), and "
+        "rewriting the rest of the file for FSDP2 would mix the two: its model's methods (`clip_grad_norm_`, "
+        "`no_sync`), `FSDP.fsdp_modules(...)`, `isinstance(x, FSDP)`, its policies and state-dict calls would be "
+        "FSDP2's around an FSDP1 model; the file is left as it is, as a whole"
+    )
+    fix = "make those constructions ones this tool maps (keywords it can read), then migrate again"
+    return Finding(lines[0], "FSDP1 constructions kept", why, fix, REFUSED)

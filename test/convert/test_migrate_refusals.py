@@ -1,4 +1,6 @@
-"""`fsdp-legacy migrate` on subclasses of FSDP1's class (`class TracedFSDP(FSDP):`, as in mmengine's and several
+"""`fsdp-legacy migrate`: all of a file (and of a program) or a clear refusal, never a mix.
+
+Subclasses of FSDP1's class (`class TracedFSDP(FSDP):`, as in mmengine's and several
 trainers' wrappers): all of a file or a clear refusal, never a mix. Before, `FSDP.fsdp_modules(m)` and
 `isinstance(x, FSDP)` were rewritten onto FSDP2's `FSDPModule` while `m` was still built by the subclass, which stays
 FSDP1: they silently matched nothing. A file that defines one, and, migrated together, every file of the program that
@@ -160,3 +162,41 @@ def test_the_same_program_without_the_subclass_migrates(tmp_path: Path) -> None:
     assert units.changed and units.findings == [], [f.format("units.py") for f in units.findings]
     assert "isinstance(m, FSDPModule)" in units.migrated and "fully_shard(net)" in units.migrated
     assert not program.results[str(tmp_path / "pkg" / "data.py")].changed
+
+
+# -- a construction that stays FSDP1 keeps the file FSDP1 ----------------------------------------------------------
+
+_KEPT = textwrap.dedent(
+    """
+    import torch
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP
+
+    offload = CPUOffload(offload_params=True)
+
+
+    def train(net, head, cfg, batch):
+        model = FSDP(net, sharding_strategy=cfg.sharding_strategy, cpu_offload=offload)
+        other = FSDP(head)
+        model(batch).sum().backward()
+        model.clip_grad_norm_(1.0)
+        return FSDP.fsdp_modules(model), [m for m in other.modules() if isinstance(m, FSDP)]
+    """
+)
+
+
+def test_a_construction_that_stays_fsdp1_keeps_its_file() -> None:
+    """Before, the construction stayed (a strategy computed at run time) while `clip_grad_norm_` became
+    torch.nn.utils' (each rank's shards' norm on an FSDP1 model), `fsdp_modules` and `isinstance` FSDPModule's
+    (matching nothing), the other construction fully_shard and its CPUOffload FSDP2's policy (which FSDP1 rejects)."""
+    result = migrate_source(_KEPT)
+    assert result.migrated == _KEPT
+    assert any(f.line == 9 and "a sharding_strategy computed at run time" in f.what for f in result.findings)
+    refusal = next(f for f in result.findings if f.kind == "refused")
+    assert refusal.line == 9 and "FSDP(...) at line 9 stays FSDP1" in refusal.why and "as a whole" in refusal.why
+    assert result.fsdp1_constructions == {9}
+
+
+def test_once_it_can_be_read_the_file_migrates() -> None:
+    result = migrate_source(_KEPT.replace("sharding_strategy=cfg.sharding_strategy, ", ""))
+    assert result.findings == [], [f.format("x.py") for f in result.findings]
+    assert "offload = CPUOffloadPolicy()" in result.migrated and "torch.nn.utils.clip_grad_norm_" in result.migrated
