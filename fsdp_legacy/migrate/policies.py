@@ -183,12 +183,15 @@ class Shared:
         return {n: o for n, o in self.exports[path].items() if o[0] != path and n not in read.assigned}
 
     def _modules(self, path: str) -> dict[str, str]:
-        """`import m as local` of a program file: local -> that file."""
+        """`import m as local` (or `from pkg import m as local`) of a program file: local -> that file."""
         found = {}
         for imp in self.files[path].imports:
-            if imp.name is None:
-                for source in self._resolve(path, imp):
-                    found[imp.local] = source
+            if imp.name == "*":
+                continue
+            if imp.name is not None:  # `from pkg import module`
+                imp = _Import(f"{imp.module}.{imp.name}" if imp.module else imp.name, imp.level, None, imp.local)
+            for source in self._resolve(path, imp):
+                found[imp.local] = source
         return found
 
     def imported(self, path: str) -> dict[str, ImportedPolicy]:

@@ -226,6 +226,10 @@ _USES_ELSEWHERE = {
         "from policies import bf16_params\n\n\ndef get():\n    return bf16_params\n",
     ),
     "read as a module's attribute": ("utils.py", "import policies\n\nchoice = {'bf16': policies.bf16_params}\n"),
+    "through a submodule": (
+        "utils.py",
+        "from policies import mixed_precision\n\nchoice = {'bf16': mixed_precision.bf16_params}\n",
+    ),
 }
 
 
