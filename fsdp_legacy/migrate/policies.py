@@ -194,6 +194,14 @@ class Shared:
                 found[imp.local] = source
         return found
 
+    def imports_from(self, path: str) -> set[str]:
+        """The program's files that `path` imports anything from (names, modules, submodules)."""
+        found = set(self._modules(path).values())
+        for imp in self.files[path].imports:
+            if imp.name is not None:
+                found.update(self._resolve(path, imp))
+        return found - {path}
+
     def imported(self, path: str) -> dict[str, ImportedPolicy]:
         out = {}
         for local, origin in self._bound(path).items():

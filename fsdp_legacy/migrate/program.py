@@ -3,7 +3,9 @@ is treated the same way in both, so the program ends up all FSDP2, or a file sta
 
 - FSDP1 subclasses (subclasses.py): a program that defines one keeps every file that uses FSDP1 as it is.
 - MixedPrecision policies of one file taken by FSDP(...) in another (policies.py): the policy becomes FSDP2's only
-  where every construction that takes it does."""
+  where every construction that takes it does.
+- A file that stays FSDP1 (refused as a whole, or with FSDP(...) calls left FSDP1) keeps every file importing from
+  it as it is too: what they get from it is FSDP1's."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from libcst.metadata import MetadataWrapper
 
 from . import policies
 from .facts import FileFacts
-from .report import MigrationResult
+from .report import Finding, MigrationResult
 from .rewriter import migrate_source
 from .subclasses import REFUSED, Subclasses, program_refusal
 
@@ -59,6 +61,7 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
     every = {name: where for found in defined.values() for name, where in found.items()}
     shared = policies.Shared(wrappers)
     results: dict[str, MigrationResult] = {}
+    forced: dict[str, str] = {}  # files left FSDP1 because they import from one that stays FSDP1 -> that file
     for _ in range(_ROUNDS):
         for path in wrappers:
             others = {n: w for n, w in every.items() if n not in defined[path]}
@@ -66,7 +69,46 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
             result = migrate_source(sources[path], facts)
             if every and not any(f.kind == REFUSED for f in result.findings) and (result.changed or result.findings):
                 result = MigrationResult(sources[path], sources[path], [program_refusal(every)])
-            results[path] = result
-        if not shared.update(results):  # every policy and construction decided the same way as the last round
+            results[path] = result if path not in forced else _importing(result, forced[path])
+        grew = _propagate(results, shared, forced)
+        if not shared.update(results) and not grew:  # every file decided the same way as the last round
             break
     return Program(results, unparsable)
+
+
+def _stays_fsdp1(result: MigrationResult) -> bool:
+    """A file whose FSDP1 objects stay FSDP1's: refused as a whole, or with FSDP(...) calls left FSDP1."""
+    return bool(result.fsdp1_constructions) or any(f.kind == REFUSED for f in result.findings)
+
+
+def _importing(result: MigrationResult, source: str) -> MigrationResult:
+    """A file left as it is because it imports from `source`, which stays FSDP1."""
+    if not result.changed:
+        return result
+    why = (
+        f"it imports from {source}, which stays FSDP1 (reported there): the models, functions and policies it gets "
+        "from there are FSDP1's, and this file's calls rewritten for FSDP2 would not fit them; the file is left as it "
+        "is, as a whole"
+    )
+    finding = Finding(1, f"imports from {source}, which stays FSDP1", why, "migrate that file first", REFUSED)
+    return MigrationResult(result.source, result.source, [finding, *result.findings])
+
+
+def _propagate(results: dict[str, MigrationResult], shared: policies.Shared, forced: dict[str, str]) -> bool:
+    """Files that would change while importing from a file that stays FSDP1 are left as they are too, following
+    the imports until nothing new stays; True when a file was added."""
+    grew = False
+    while True:
+        added = {
+            path: source
+            for path, result in results.items()
+            if path not in forced and result.changed
+            for source in sorted(shared.imports_from(path))
+            if _stays_fsdp1(results[source])
+        }
+        if not added:
+            return grew
+        for path, source in added.items():
+            forced[path] = source
+            results[path] = _importing(results[path], source)
+        grew = True

@@ -200,3 +200,52 @@ def test_once_it_can_be_read_the_file_migrates() -> None:
     result = migrate_source(_KEPT.replace("sharding_strategy=cfg.sharding_strategy, ", ""))
     assert result.findings == [], [f.format("x.py") for f in result.findings]
     assert "offload = CPUOffloadPolicy()" in result.migrated and "torch.nn.utils.clip_grad_norm_" in result.migrated
+
+
+# -- across files: what a file that stays FSDP1 gives another is FSDP1's ------------------------------------------
+
+_BUILDER = """
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+
+def build(net):
+    model = FSDP(net)
+    FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+    return model
+"""
+
+_CALLER = """
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from models import build
+
+
+def save(net, optim):
+    model = build(net)
+    return FSDP.optim_state_dict(model, optim)
+"""
+
+
+def test_a_file_importing_from_one_that_stays_fsdp1_stays_too(tmp_path: Path) -> None:
+    """models.py sets the type where it builds the model, for callers in another file: it stays FSDP1 (refused).
+    Alone, train.py's optim_state_dict became FSDP2's with FSDP1's default FULL options, where the model is FSDP1's
+    under SHARDED; together, it stays as it is and names the file it depends on."""
+    models, train = str(tmp_path / "models.py"), str(tmp_path / "train.py")
+    alone = migrate_source(_CALLER)
+    assert alone.changed and "full_state_dict=True" in alone.migrated  # the wrong half
+    program = migrate_program({models: _BUILDER, train: _CALLER})
+    assert program.results[models].migrated == _BUILDER
+    assert "is not called in this file" in program.results[models].findings[0].why
+    result = program.results[train]
+    assert result.migrated == _CALLER
+    assert (
+        result.findings[0].kind == "refused"
+        and f"it imports from {models}, which stays FSDP1" in result.findings[0].why
+    )
+
+
+def test_a_file_importing_from_a_migrated_one_migrates() -> None:
+    models = _BUILDER.replace("    FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)\n", "")
+    program = migrate_program({"models.py": models, "train.py": _CALLER})
+    assert program.results["models.py"].changed and program.results["train.py"].changed
+    assert "get_optimizer_state_dict(model, optim" in program.results["train.py"].migrated
