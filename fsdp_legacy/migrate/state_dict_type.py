@@ -4,8 +4,11 @@
 rewriter keeps a stack of blocks). `FSDP.set_state_dict_type(model, ...)` sets them for the rest of the run, which
 the text shows only in simple cases: SetTypes follows a setter to the calls it governs where that is unambiguous
 (one setter for the model, configs it can read, and every state-dict call on the model after it in its own block,
-not in a nested function, the model not rebound there). Anywhere else the setter and the calls it may govern stay
-as they are and are reported: mapped with FSDP1's default type instead, they would save or load something else."""
+not in a nested function, the model not rebound there; or, where the function holding it returns the model, after
+each `name = function(...)` of the file, returned_model.py). Anywhere else the setter and the calls it may govern stay
+as they are and are reported, and so does the rest of the file (the rewriter refuses it as a whole): mapped with
+FSDP1's default type instead, the calls would save or load something else, and FSDP1's setter on a fully_shard model
+fails."""
 
 from __future__ import annotations
 
@@ -92,10 +95,9 @@ class SetTypes(cst.CSTVisitor):
         self.followed: dict[cst.SimpleStatementLine, tuple[cst.Call, TypeOptions]] = {}
         self.findings: list[Finding] = []
         self.left: set[cst.CSTNode] = set()
-        self.returned_to: dict[
-            cst.SimpleStatementLine, str
-        ] = {}  # followed setters -> the function returning the model
-        self.module = cst.Module([])
+        # followed setters in a function that returns the model -> its name (returned_model.py)
+        self.returned_to: dict[cst.SimpleStatementLine, str] = {}
+        self.module = cst.Module([])  # the tree visited (set on leaving it)
 
     def fsdp1(self, node: cst.CSTNode) -> str | None:
         names = [fsdp1_name(q.name) for q in self.get_metadata(QualifiedNameProvider, node, set())]
