@@ -62,11 +62,16 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
     shared = policies.Shared(wrappers)
     results: dict[str, MigrationResult] = {}
     forced: dict[str, str] = {}  # files left FSDP1 because they import from one that stays FSDP1 -> that file
+    last: dict[str, tuple[FileFacts, MigrationResult]] = {}  # each file's facts and rewrite in the round before
     for _ in range(_ROUNDS):
         for path in wrappers:
             others = {n: w for n, w in every.items() if n not in defined[path]}
             facts = FileFacts(others, shared.imported(path), shared.uses_of(path))
-            result = migrate_source(sources[path], facts)
+            if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
+                result = last[path][1]
+            else:
+                result = migrate_source(sources[path], facts)
+                last[path] = (facts, result)
             if every and not any(f.kind == REFUSED for f in result.findings) and (result.changed or result.findings):
                 result = MigrationResult(sources[path], sources[path], [program_refusal(every)])
             results[path] = result if path not in forced else _importing(result, forced[path])
