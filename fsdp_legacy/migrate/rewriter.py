@@ -78,8 +78,9 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     positions = wrapper.resolve(PositionProvider)
     kept = frozenset(positions[c].start.line for c in survey.fsdp_calls if c not in transformer.migrated_calls)
     policies = frozenset(n for n, v in survey.assigned.items() for _, value in v if value in transformer.kept_policies)
-    if kept and tree.code != source:  # never a mix: the rest would be FSDP2's around an FSDP1 model
-        findings = sorted([*findings, kept_constructions(sorted(kept))], key=lambda f: f.line)
+    stays = kept | {positions[c].start.line for c in wraps.plan.kept}  # (manual wrapping left FSDP1's too)
+    if stays and tree.code != source:  # never a mix: the rest would be FSDP2's around an FSDP1 model
+        findings = sorted([*findings, kept_constructions(sorted(stays))], key=lambda f: f.line)
         return MigrationResult(source, source, findings, kept, policies)
     return MigrationResult(source, tree.code, findings, kept, policies)
 

@@ -192,7 +192,7 @@ def test_a_construction_that_stays_fsdp1_keeps_its_file() -> None:
     assert result.migrated == _KEPT
     assert any(f.line == 9 and "a sharding_strategy computed at run time" in f.what for f in result.findings)
     refusal = next(f for f in result.findings if f.kind == "refused")
-    assert refusal.line == 9 and "FSDP(...) at line 9 stays FSDP1" in refusal.why and "as a whole" in refusal.why
+    assert refusal.line == 9 and "at line 9 stays FSDP1" in refusal.why and "as a whole" in refusal.why
     assert result.fsdp1_constructions == {9}
 
 
@@ -249,3 +249,25 @@ def test_a_file_importing_from_a_migrated_one_migrates() -> None:
     program = migrate_program({"models.py": models, "train.py": _CALLER})
     assert program.results["models.py"].changed and program.results["train.py"].changed
     assert "get_optimizer_state_dict(model, optim" in program.results["train.py"].migrated
+
+
+def test_manual_wrapping_that_stays_fsdp1_keeps_its_file() -> None:
+    """A wrap() outside its enable_wrap keeps every wrap() FSDP1's (test_migrate_wrap); the model they build is then
+    FSDP1's, so `FSDP.fsdp_modules(model)` and the other construction stay too."""
+    source = textwrap.dedent(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import enable_wrap, wrap
+
+
+        def run(net, head):
+            layer = wrap(net.layer)
+            with enable_wrap(wrapper_cls=FSDP):
+                model = wrap(net)
+            other = FSDP(head)
+            return FSDP.fsdp_modules(model), other
+        """
+    )
+    result = migrate_source(source)
+    assert result.migrated == source
+    assert any(f.kind == "refused" and "at lines 7, 8, 9 stays FSDP1" in f.why for f in result.findings)
