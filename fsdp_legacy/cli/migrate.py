@@ -23,7 +23,9 @@ torch.distributed.checkpoint.state_dict's helpers, as do the optimizer-state cal
 full_/sharded_/shard_full_/scatter_full_optim_state_dict included; rekey_optim_state_dict a helper), a
 summon_full_params block that only reads fsdp_legacy.migrate.runtime.full_params; activation checkpointing applied
 after wrapping moves before it. Comments and formatting are kept (LibCST). What cannot be mapped faithfully is left
-as it was and reported as `file:line: what: why; fix: ...` on stderr. By default the changes are printed as a
+as it was and reported as `file:line: what: why; fix: ...` on stderr. The files given are one program: a subclass of
+FSDP1's class keeps every FSDP1 file of it as it is, a MixedPrecision policy of one file becomes FSDP2's only with
+the constructions of the others that take it. By default the changes are printed as a
 unified diff; nothing is written."""
 
 EXAMPLES = """examples:
@@ -54,16 +56,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _rewriter() -> tuple[Callable[[str], Any], type[Exception]]:
+def _rewriter() -> Callable[[dict[str, str]], Any]:
     try:
-        import libcst
+        import libcst  # noqa: F401
 
-        from ..migrate.rewriter import migrate_source
+        from ..migrate.program import migrate_program
     except ImportError as error:
         raise UsageError(
             f"fsdp-legacy migrate needs LibCST ({error}): pip install 'fsdp_legacy[migrate]' (or pip install libcst)"
         ) from error
-    return migrate_source, libcst.ParserSyntaxError
+    return migrate_program
 
 
 def _files(paths: list[str]) -> Iterator[Path]:
@@ -80,19 +82,22 @@ def _files(paths: list[str]) -> Iterator[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    migrate_source, syntax_error = _rewriter()
+    migrate_program = _rewriter()
     files = list(_files(args.paths))  # every path checked before anything is written
+    # one program: what a file defines and another uses is decided the same way in both (migrate/program.py)
+    sources = {str(path): path.read_text(encoding="utf-8") for path in files}
+    program = migrate_program(sources)
     incomplete = changed = False
     for path in files:
-        source = path.read_text(encoding="utf-8")
-        try:
-            result = migrate_source(source)
-        except syntax_error as error:
-            print(f"{path}:{getattr(error, 'raw_line', 0)}: cannot parse: {error.message}", file=sys.stderr)  # type: ignore[attr-defined]
+        name, source = str(path), sources[str(path)]
+        error = program.unparsable.get(name)
+        if error is not None:
+            print(f"{path}:{getattr(error, 'raw_line', 0)}: cannot parse: {error.message}", file=sys.stderr)
             incomplete = True
             continue
+        result = program.results[name]
         for finding in result.findings:
-            print(finding.format(str(path)), file=sys.stderr)
+            print(finding.format(name), file=sys.stderr)
         incomplete |= not result.complete
         changed |= result.changed
         if not result.changed:

@@ -7,10 +7,12 @@ problem leaves the whole construction as it was (a partial rewrite would train d
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
+
+from .facts import ImportedPolicy
 
 Code = Callable[[cst.CSTNode], str]  # a node's source text
 Fsdp1 = Callable[[cst.CSTNode], "str | None"]  # a node's FSDP1 name, if it is one
@@ -95,9 +97,18 @@ def offload_policy(call: cst.Call, code: Code) -> str | None:
     return "CPUOffloadPolicy" if flags and flags[0][1] == "True" else "OffloadPolicy"
 
 
-def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolve, meta: bool) -> Construction:
+def build(
+    target: str,
+    call: cst.Call,
+    code: Code,
+    fsdp1: Fsdp1,
+    resolve: Resolve,
+    meta: bool,
+    imported: Mapping[str, ImportedPolicy] | None = None,
+) -> Construction:
     """The FSDP2 statements for `target = FSDP(...)` (`call`); `meta`: the file names the meta device, so the module
-    may be built there and must be materialized as FSDP1 does."""
+    may be built there and must be materialized as FSDP1 does; `imported`: names bound to MixedPrecision policies of
+    other files of the program (facts.py)."""
     out = Construction()
     if not call.args or call.args[0].keyword is not None or call.args[0].star:
         out.problems.append(Problem(call, "FSDP(...) without the module as first argument", *_UNMAPPED))
@@ -108,7 +119,7 @@ def build(target: str, call: cst.Call, code: Code, fsdp1: Fsdp1, resolve: Resolv
     if not isinstance(module, (cst.Name, cst.Attribute)):
         parts.pre.append(f"{target} = {model}")
         model = target
-    keywords = _read(call.args[1:], code, fsdp1, resolve, parts, out)
+    keywords = _read(call.args[1:], code, fsdp1, resolve, parts, out, imported or {})
     _placement(keywords, code, parts, out)
     if out.problems:
         return out
@@ -143,13 +154,25 @@ class _Keywords:
 
 
 def _read(
-    args: Sequence[cst.Arg], code: Code, fsdp1: Fsdp1, resolve: Resolve, parts: _Parts, out: Construction
+    args: Sequence[cst.Arg],
+    code: Code,
+    fsdp1: Fsdp1,
+    resolve: Resolve,
+    parts: _Parts,
+    out: Construction,
+    imported: Mapping[str, ImportedPolicy] | None = None,
 ) -> _Keywords:
     """FSDP1's keyword arguments (after the module) into `parts`, or problems into `out`."""
     found = _Keywords()
     for arg in args:
-        if arg.keyword is None or arg.star:
-            out.problems.append(Problem(arg, "FSDP(...) with positional or ** arguments", *_UNMAPPED))
+        if arg.star:
+            out.problems.append(Problem(arg, "FSDP(..., *args or **kwargs)", *_UNMAPPED))
+            continue
+        if arg.keyword is None:  # (once per call, at its first one)
+            if arg is next(a for a in args if a.keyword is None):
+                count = sum(a.keyword is None and not a.star for a in args)
+                what = f"FSDP(module, {code(arg.value)}{', ...' if count > 1 else ''}): {count} argument(s) by position"
+                out.problems.append(Problem(arg, what, *_POSITIONAL))
             continue
         name, value = arg.keyword.value, arg.value
         if name == "auto_wrap_policy":
@@ -162,6 +185,8 @@ def _read(
             found.mesh = code(value)
         elif name == "process_group":
             found.group = arg
+        elif name == "mixed_precision" and isinstance(value, cst.Name) and value.value in (imported or {}):
+            _imported_precision(value.value, (imported or {})[value.value], parts, out, arg)
         elif name == "mixed_precision":
             _mixed_precision(resolve(value), value, code, fsdp1, parts, out)
         elif name == "cpu_offload":
@@ -247,6 +272,31 @@ _UNMAPPED = (
     "not mapped by fsdp-legacy migrate",
     "write the fully_shard calls by hand (docs/migration.md has the mapping)",
 )
+_POSITIONAL = (
+    "FSDP1's parameters after `module` changed order between releases (torch 1.11: process_group, cpu_offload, "
+    "fsdp_auto_wrap_policy, backward_prefetch; 1.12 put sharding_strategy second; 2.1 renamed ignored_parameters "
+    "to ignored_states), so which one a value passed by position is cannot be read from the text",
+    "pass it by keyword (`FSDP(module, process_group=..., sharding_strategy=..., ...)` for the release the program "
+    "ran on), then migrate again",
+)
+
+
+def _imported_precision(name: str, policy: ImportedPolicy, parts: _Parts, out: Construction, arg: cst.Arg) -> None:
+    """`mixed_precision=name`, a MixedPrecision(...) of another file of the program: that file rewrites it as FSDP2's
+    policy (policies.py) where every construction taking it becomes fully_shard."""
+    why = None
+    if policy.kept is not None:
+        why = f"the MixedPrecision `{name}` it takes ({policy.origin}) stays FSDP1's: {policy.kept}"
+    elif policy.buffer_dtype is not None and not re.fullmatch(r"torch\.\w+", policy.buffer_dtype):
+        why = f"the buffer_dtype of `{name}` ({policy.origin}) is `{policy.buffer_dtype}`, a name this file may lack"
+    if why is not None:
+        out.problems.append(Problem(arg, f"FSDP(..., mixed_precision={name})", why, _UNMAPPED[1]))
+        return
+    parts.kwargs["mp_policy"] = name
+    parts.notes.append("FSDP1 ran BatchNorm modules in fp32 units of their own under mixed precision; FSDP2 does not")
+    parts.buffer_dtype = policy.buffer_dtype
+    if policy.buffer_dtype is not None:  # (torch.<dtype>, checked above)
+        out.imports.append(("torch", None))
 
 
 def _mixed_precision(

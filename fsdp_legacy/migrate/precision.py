@@ -6,7 +6,8 @@ in their own dtype without a word). The call is rewritten in place: its comments
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 
 import libcst as cst
 
@@ -15,15 +16,35 @@ Resolve = Callable[[cst.BaseExpression], cst.BaseExpression]
 KEPT = ("param_dtype", "reduce_dtype")
 
 
-def uses(calls: Sequence[tuple[cst.Call, bool]], value_of: Resolve) -> dict[cst.CSTNode, bool]:
-    """The MixedPrecision values the file's FSDP(...) calls take (`mixed_precision=`), each with whether every one of
-    those calls becomes fully_shard (`calls`: each FSDP call and whether it does)."""
+def uses(
+    calls: Sequence[tuple[cst.Call, bool]],
+    value_of: Resolve,
+    assigned: Mapping[str, Sequence[tuple[cst.SimpleStatementLine, cst.BaseExpression]]],
+    name_count: Counter[str],
+    external: Mapping[str, bool],
+) -> dict[cst.CSTNode, bool]:
+    """The MixedPrecision values the file's FSDP(...) calls take (`mixed_precision=`), each with whether every use
+    becomes FSDP2's (`calls`: each FSDP call and whether it becomes fully_shard). A policy assigned to a name counts
+    its other uses too: read anywhere but as a `mixed_precision=` (passed by position, returned, stored), it may
+    reach a construction that stays FSDP1, so it is False; `external`: the uses other files of the program make of
+    the file's names (facts.py)."""
     found: dict[cst.CSTNode, bool] = {}
+    keyword_reads: Counter[str] = Counter()
     for call, migrated in calls:
         for arg in call.args:
             if arg.keyword is not None and arg.keyword.value == "mixed_precision":
                 node = value_of(arg.value)
                 found[node] = found.get(node, True) and migrated
+                if isinstance(arg.value, cst.Name):
+                    keyword_reads[arg.value.value] += 1
+    for name, values in assigned.items():
+        if len(values) != 1 or not isinstance(values[0][1], cst.Call):
+            continue
+        node = values[0][1]
+        if name_count[name] > 1 + keyword_reads[name]:  # (the assignment's target, the keywords)
+            found[node] = False
+        if name in external:
+            found[node] = found.get(node, True) and external[name]
     return found
 
 
@@ -46,6 +67,8 @@ def _merged(
 def policy_call(call: cst.Call) -> cst.Call:
     """`MixedPrecision(...)` as `MixedPrecisionPolicy(...)` with only the arguments FSDP2's policy takes (the caller
     has checked the others carry nothing over), every comment kept."""
+    if not call.args:  # `MixedPrecision()`
+        return call.with_changes(func=cst.Name("MixedPrecisionPolicy"))
     args: list[cst.Arg] = []
     before = call.whitespace_before_args
     for arg in call.args:
@@ -75,7 +98,12 @@ def kept(refused: list[str], used: bool | None) -> tuple[str, str]:
     if refused:
         return "FSDP2's MixedPrecisionPolicy has no counterpart", "set it per module by hand, or drop it"
     if used is False:
-        return "an FSDP(...) that takes it stays FSDP1 (reported), which needs FSDP1's policy", "migrate that first"
+        why = (
+            "an FSDP(...) that takes it stays FSDP1 (reported, in this file or another of the program), or it is used "
+            "other than as FSDP(...)'s `mixed_precision=` (passed by position, returned, stored), where it may reach "
+            "one; FSDP1 needs FSDP1's policy"
+        )
+        return why, "migrate those uses first, or pass the policy as `mixed_precision=` to constructions this tool maps"
     why = "FSDP2's MixedPrecisionPolicy has no buffer_dtype, and no construction of this file casts the buffers for it"
     fix = "after fully_shard, cast the floating-point buffers to that dtype (`buffer.data = buffer.data.to(dtype)`)"
     return why, fix

@@ -13,6 +13,9 @@ class Finding:
     what: str
     why: str
     fix: str
+    # "unmapped": left as written (or changed with a caveat); "refused": the whole file left as it is (subclasses.py);
+    # "internal": FSDP1's private modules, which a person must replace (internals.py)
+    kind: str = "unmapped"
 
     def format(self, path: str) -> str:
         return f"{path}:{self.line}: {self.what}: {self.why}; fix: {self.fix}"
@@ -25,6 +28,10 @@ class MigrationResult:
     source: str
     migrated: str
     findings: list[Finding] = field(default_factory=list)
+    # for the files migrated with it (program.py): the lines of the FSDP(...) calls left FSDP1, and the names of the
+    # module-level MixedPrecision policies left FSDP1
+    fsdp1_constructions: frozenset[int] = frozenset()
+    fsdp1_policies: frozenset[str] = frozenset()
 
     @property
     def changed(self) -> bool:

@@ -1,570 +1,49 @@
-"""One Python file's FSDP1 code rewritten onto FSDP2 with LibCST (comments and formatting kept): the wrapper's
-construction (construction.py), its methods, `no_sync()`, and the state-dict API, which becomes
-torch.distributed.checkpoint.state_dict's helpers. What is not mapped stays as it was and is reported
-(leftovers.py)."""
+"""One Python file's FSDP1 code rewritten onto FSDP2 with LibCST (comments and formatting kept): the surveys of the
+whole file first, then the transformer (transformer.py: the wrapper's construction, its methods, `no_sync()`, the
+state-dict API as torch.distributed.checkpoint.state_dict's helpers), rerun while state_dict_type blocks must stay.
+What is not mapped stays as it was and is reported (leftovers.py, internals.py); a file whose FSDP1 objects must
+stay FSDP1 as a whole (a subclass of FSDP1's class, a state-dict type it cannot follow) is left as it is, with why."""
 
 from __future__ import annotations
-
-import re
-from dataclasses import dataclass
-from typing import cast
 
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider, QualifiedNameProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
-from . import apply_call, configs, construction, optim_state, precision, summon, unwrap
 from .bindings import Bindings
-from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
+from .facts import FileFacts
+from .internals import Internals
 from .leftovers import LeftoverFinder
 from .manual_wrap import ManualWrap
-from .names import advice, fsdp1_name
 from .removal import RemoveStatements as _RemoveStatements
-from .removal import bare as _bare
-from .reorder import Placed, bound_names, names_in, reorder
-from .report import Finding, MigrationResult
-from .sharded_resume import LOADER, ShardedResume
-from .state_dict_type import BLOCK, SetTypes, TypeOptions
-from .survey import Survey, is_checkpointing
-from .type_blocks import Plan, Readers, TypeBlocks
-from .unwrap import with_leading as _with_leading
-
-_FSDP = "FullyShardedDataParallel"
-_FULL = "StateDictOptions(full_state_dict=True)"  # FSDP1's default state-dict type: FULL, on every rank
+from .report import MigrationResult
+from .sharded_resume import ShardedResume
+from .state_dict_type import SetTypes
+from .subclasses import Subclasses, kept_constructions, refusals
+from .survey import Survey
+from .transformer import Fsdp1ToFsdp2
+from .type_blocks import Readers, TypeBlocks
 
 
-@dataclass(frozen=True)
-class _PendingLoad:
-    """`name = FSDP.<to-load API>(...)`, waiting in its block for the `optim.load_state_dict(name)` it feeds."""
-
-    name: str
-    call: cst.Call
-    loading: optim_state.Load
-    options: str
-    names: set[str]  # the names its arguments use
-
-
-class Fsdp1ToFsdp2(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ParentNodeProvider)
-
-    def __init__(
-        self,
-        module: cst.Module,
-        survey: Survey,
-        set_types: SetTypes,
-        wraps: ManualWrap,
-        plan: Plan,
-        resume: ShardedResume,
-        context: CodemodContext,
-    ) -> None:
-        super().__init__()
-        self.plan = plan  # the state_dict_type blocks taken away, and their configs (type_blocks.py)
-        self.resume = resume  # load_sharded_optimizer_state_dict's recipe (sharded_resume.py)
-        self.resume_defs: dict[int, cst.SimpleStatementLine] = {}  # id(statement) -> as read, where it may go
-        self.module = module
-        self.survey = survey
-        self.set_types = set_types  # set_state_dict_type followed through the file (state_dict_type.py)
-        self.wraps = wraps.plan  # enable_wrap / wrap (manual_wrap.py)
-        self.context = context
-        self.findings: list[Finding] = [*set_types.findings, *self.wraps.findings]
-        # original nodes a rewrite (or a specific finding) accounts for
-        self.consumed: set[cst.CSTNode] = {*set_types.left, *self.wraps.consumed}
-        self.reported: set[cst.CSTNode] = set(set_types.left)  # of those, the ones left as written
-        for module_name, obj in self.wraps.imports if self.wraps.calls or self.wraps.headers else ():
-            self.need(module_name, obj)
-        # the state_dict_type blocks around the node: (model, options), None where FSDP2 has no such options
-        self.blocks: list[tuple[str, TypeOptions | None]] = []
-        self.removed_blocks: dict[cst.With, str] = {}  # the blocks taken away -> their model (type_blocks.Readers)
-        self.kept_blocks: set[cst.With] = set()
-        self.unwrap: dict[cst.With, str] = {}  # with-statements to replace by their body: "state_dict", no_sync's model
-        self.removed: set[str] = set()  # code of dead policy assignments, taken out by a second pass
-        self.load_defs: dict[int, _PendingLoad] = {}  # id(statement) -> the to-load call it assigns
-        # id(`optim.load_state_dict(name)`) -> (optim, name, the call as read)
-        self.load_uses: dict[int, tuple[str, str, cst.Call]] = {}
-        self.dropped: dict[int, list[str]] = {}  # id(statement) -> the comments left where it is taken out
-        self.constructions: dict[int, Placed] = {}  # id(first new statement) -> what it shards
-        self.checkpointing: dict[int, str] = {}  # id(statement applying activation checkpointing) -> its model
-        self.summons: dict[cst.With, cst.Call] = {}  # summon_full_params blocks that only read -> full_params(...)
-        self._precision_uses: dict[cst.CSTNode, bool] | None = None
-        self._alive: list[cst.CSTNode] = []  # every node whose id() keys one of the dicts above (see _key)
-
-    # -- helpers -------------------------------------------------------------------------------------------------
-
-    def code(self, node: cst.CSTNode) -> str:
-        return self.module.code_for_node(node)
-
-    def fsdp1(self, node: cst.CSTNode) -> str | None:
-        names = [fsdp1_name(q.name) for q in self.get_metadata(QualifiedNameProvider, node, set())]
-        return next((n for n in names if n), None)
-
-    def value_of(self, node: cst.BaseExpression) -> cst.BaseExpression:
-        return self.survey.value_of(node)
-
-    def line(self, node: cst.CSTNode) -> int:
-        return self.get_metadata(PositionProvider, node).start.line
-
-    def report(self, node: cst.CSTNode, what: str, why: str, fix: str) -> None:
-        self.findings.append(Finding(self.line(node), what, why, fix))
-        self.consumed.add(node)
-        self.reported.add(node)
-
-    def need(self, module: str, obj: str | None = None) -> None:
-        AddImportsVisitor.add_needed_import(self.context, module, obj)
-
-    def expr(self, code: str) -> cst.BaseExpression:
-        return cst.parse_expression(code)
-
-    # -- construction and statements -----------------------------------------------------------------------------
-
-    def leave_SimpleStatementLine(
-        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
-    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
-        if len(original.body) != 1:
-            return updated
-        small = original.body[0]
-        if original in self.resume.plans:
-            self.resume_defs[self._key(updated)] = original
-        config = self.plan.configs.get(original)
-        if config is not None:  # a config of blocks taken away: out, or built as StateDictOptions at run time
-            updated = self._config(updated, config)
-        if original in self.set_types.followed:
-            setter, options = self.set_types.followed[original]
-            self.consumed.add(setter)
-            for arg in setter.args[2:]:  # configs assigned to a name used only here
-                if isinstance(arg.value, cst.Name):
-                    self._drop_if_dead(arg.value.value)
-            model = options.model
-            note = f"{NOTE} FSDP.set_state_dict_type({model}, ...) taken out: the state-dict calls on {model} below"
-            self.dropped[self._key(updated)] = [note + " take its options"]
-        if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.value, cst.Call):
-            target, call = small.targets[0].target, small.value
-            if self.fsdp1(call.func) == _FSDP:
-                return self._construction(original, updated, self.code(target), call)
-            if optim_state.api_of(self.fsdp1(call.func)) in optim_state.LOADS and isinstance(target, cst.Name):
-                self._load_def(original, updated, target.value, call)
-        if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
-            self._checkpointing(small.value, updated)
-            now = updated.body[0]
-            if isinstance(now, cst.Expr) and isinstance(now.value, cst.Call):
-                func, args = now.value.func, now.value.args
-                if isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(args) == 1:
-                    if isinstance(args[0].value, cst.Name) and not args[0].keyword:
-                        loaded = small.value
-                        self.load_uses[self._key(updated)] = (self.code(func.value), args[0].value.value, loaded)
-        return updated
-
-    def _config(self, updated: cst.SimpleStatementLine, config: configs.Config) -> cst.SimpleStatementLine:
-        assign = cast(cst.Assign, updated.body[0])
-        self.consumed.add(cast(cst.Assign, (config.drop or config.rewrite).statement.body[0]).value)  # type: ignore[union-attr]
-        if config.drop is not None:
-            self.dropped[self._key(updated)] = []
-            return updated
-        self.need(RUNTIME, config.helper)
-        call = cast(cst.Call, assign.value).with_changes(func=cst.Name(config.helper))
-        return updated.with_changes(body=[assign.with_changes(value=call)])
-
-    def _load_def(
-        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, name: str, call: cst.Call
-    ) -> None:
-        """Note `name = FSDP.<to-load API>(...)`; the block pairs it with its load_state_dict (_pair_loads)."""
-        api = cast(str, optim_state.api_of(self.fsdp1(call.func)))
-        loading = optim_state.load(api, call, self.code)
-        if isinstance(loading, optim_state.Refusal):
-            self.report(call, loading.what, loading.why, loading.fix)
-            return
-        options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
-        if options is None:
-            return  # the model's state-dict type is left to a person (reported)
-        uses = self.resume.bindings.count_in_scope(name, original)
-        if uses != 2:  # the assignment and the load
-            why = (
-                f"`{name}` is never used"
-                if uses < 2
-                else f"`{name}` is used elsewhere too, where only `optimizer.load_state_dict({name})` has an FSDP2 form"
-            )
-            self.report(call, f"`{name} = FSDP.{api}(...)`", why, optim_state.Refusal("", "").fix)
-            return
-        names = set().union(*(names_in(a.value) for a in call.args))
-        self.load_defs[self._key(updated)] = _PendingLoad(name, call, loading, options, names)
-
-    def _key(self, node: cst.CSTNode) -> int:
-        """id(node) as a dict key, `node` kept alive for the rewrite: a freed node's id, given to a new node, made a
-        stale entry match an unrelated statement (dropped or moved, at random)."""
-        self._alive.append(node)
-        return id(node)
-
-    def _checkpointing(self, call: cst.Call, statement: cst.BaseStatement) -> None:
-        """Note a statement that applies activation checkpointing to a model (reorder.py may move it)."""
-        qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, call.func, set())}
-        local = isinstance(call.func, cst.Name) and call.func.value in self.survey.checkpointing_functions
-        if (is_checkpointing(qualified) or local) and call.args and not call.args[0].keyword:
-            self.checkpointing[self._key(statement)] = self.code(call.args[0].value)
-
-    def leave_If(self, original: cst.If, updated: cst.If) -> cst.If:
-        """An `if` doing nothing but apply activation checkpointing to one model moves as one statement."""
-        if updated.orelse is None and isinstance(updated.body, cst.IndentedBlock):
-            models = {self.checkpointing.get(id(s)) for s in updated.body.body}
-            if len(models) == 1 and None not in models:
-                self.checkpointing[self._key(updated)] = cast(str, models.pop())
-        return updated
-
-    def _construction(
-        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, target: str, call: cst.Call
-    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
-        built = self._build(target, call)
-        self.consumed.add(call)
-        if built.problems:
-            for problem in built.problems:
-                self.findings.append(Finding(self.line(problem.node), problem.what, problem.why, problem.fix))
-            return original  # as written: a MixedPrecision(...) among its keywords stays FSDP1's too
-        for module, obj in built.imports:
-            self.need(module, obj)
-        for arg in call.args:  # a policy assigned to a name used only here: its assignment is dead now
-            if arg.keyword and arg.keyword.value == "auto_wrap_policy" and isinstance(arg.value, cst.Name):
-                self._drop_if_dead(arg.value.value, "\n".join(self.code(s) for s in built.statements))
-                if self.value_of(arg.value) is not arg.value:  # or it is handed to apply_fully_shard as it is
-                    self.consumed.add(self.value_of(arg.value))
-        notes = [cst.EmptyLine(comment=cst.Comment(note)) for note in built.notes]
-        built.statements[0] = _with_leading(built.statements[0], [*original.leading_lines, *notes])
-        model = self.code(call.args[0].value) if isinstance(call.args[0].value, (cst.Name, cst.Attribute)) else target
-        placed = Placed(model, target, len(built.statements), built.materializes)
-        self.constructions[self._key(built.statements[0])] = placed
-        return cst.FlattenSentinel(built.statements)
-
-    def _drop_if_dead(self, name: str, rewritten: str = "") -> None:
-        """Take out `name = ...` when the rewrite consumed its only use (and does not name it in `rewritten`)."""
-        uses = self.survey.assigned.get(name, [])
-        if len(uses) == 1 and self.survey.name_count[name] == 2 and not re.search(rf"\b{name}\b", rewritten):
-            self.removed.add(_bare(uses[0][0]))
-            self.consumed.add(uses[0][0])
-            RemoveImportsVisitor.remove_unused_import(self.context, "functools")
-
-    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
-        return updated.with_changes(body=self._block(list(updated.body)))
-
-    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
-        return updated.with_changes(body=self._block(list(updated.body)))
-
-    def _block(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
-        """A block's statements once its own have been rewritten: to-load calls paired with their loads, statements
-        taken out (their comments kept), and the moves around constructions made."""
-        self._pair_loads(body)
-        body = [new for statement in body for new in self._resumed(statement)]
-        kept: list[cst.BaseStatement] = []
-        carried: list[cst.EmptyLine] = []
-        for statement in body:
-            notes = self.dropped.get(id(statement))
-            if notes is not None:
-                assert isinstance(statement, cst.SimpleStatementLine)
-                carried += [*statement.leading_lines, *(cst.EmptyLine(comment=cst.Comment(n)) for n in notes)]
-                continue
-            kept.append(_with_leading(statement, carried) if carried else statement)
-            carried = []
-        if carried or (body and not kept):  # (a block emptied by the rewrite; an empty file stays empty)
-            kept.append(cst.SimpleStatementLine([cst.Pass()], leading_lines=carried))
-        return reorder(kept, self.constructions, self.checkpointing, self.code)
-
-    def _resumed(self, statement: cst.BaseStatement) -> list[cst.BaseStatement]:
-        """A mapped load_sharded_optimizer_state_dict(...) as FSDP2's load (sharded_resume.py)."""
-        original = self.resume_defs.get(id(statement))
-        new = self.resume.statements(original) if original is not None else None
-        if new is None or original is None:
-            return [statement]
-        self._need_helpers("get_optimizer_state_dict")
-        self.need("torch.distributed.checkpoint")
-        RemoveImportsVisitor.remove_unused_import(self.context, self.resume.plans[original].module, LOADER)
-        return [_with_leading(new[0], cast(cst.SimpleStatementLine, statement).leading_lines), *new[1:]]
-
-    def _pair_loads(self, body: list[cst.BaseStatement]) -> None:
-        """`name = FSDP.<to-load API>(...)` and, later in the block, `optim.load_state_dict(name)` become one
-        set_optimizer_state_dict where the load was (the names the call reads not rebound in between)."""
-        for index, statement in enumerate(body):
-            pending = self.load_defs.pop(id(statement), None)
-            if pending is None:
-                continue
-            for later in range(index + 1, len(body)):
-                use = self.load_uses.get(id(body[later]))
-                if use is not None and use[1] == pending.name:
-                    if self._pair(pending, use[0], body, index, later):
-                        self.consumed.add(use[2])
-                    break
-                if pending.names & bound_names(body[later]):
-                    break
-            if pending.call not in self.consumed:
-                why = (
-                    f"`{pending.name}` is not loaded by `optimizer.load_state_dict({pending.name})` later in its block"
-                )
-                what = f"`{pending.name} = FSDP.{pending.loading.api}(...)`"
-                self.report(pending.call, what, why, optim_state.Refusal("", "").fix)
-
-    def _pair(self, pending: _PendingLoad, optimizer: str, body: list[cst.BaseStatement], at: int, load: int) -> bool:
-        refused = self.resume.check(pending.call, pending.options)
-        code = refused or optim_state.load_code(pending.loading, optimizer, pending.options)
-        if isinstance(code, optim_state.Refusal):
-            self.report(pending.call, code.what, code.why, code.fix)
-            return False
-        self.resume.loaded(pending.call, pending.loading.model, optimizer, pending.options)
-        self._need_load(code)
-        old = cast(cst.SimpleStatementLine, body[load])
-        new = cast(cst.SimpleStatementLine, cst.parse_statement(code + "\n"))
-        body[load] = new.with_changes(leading_lines=old.leading_lines, trailing_whitespace=old.trailing_whitespace)
-        self.dropped[self._key(body[at])] = []
-        self.consumed.add(pending.call)
-        return True
-
-    # -- with-blocks: state_dict_type, no_sync and summon_full_params ---------------------------------------------
-
-    def visit_With(self, node: cst.With) -> None:
-        if len(node.items) != 1 or not isinstance(node.items[0].item, cst.Call) or node.items[0].asname:
-            return
-        call = node.items[0].item
-        if self.fsdp1(call.func) == summon.SUMMON:
-            plan = summon.plan(call, node.body, self._is_container, self.code)
-            if plan.problem is not None:
-                where, what, why, fix = plan.problem
-                self.report(where, what + (f" at line {self.line(plan.writes[0])}" if plan.writes else ""), why, fix)
-            elif plan.call is not None:
-                self.summons[node] = plan.call
-                self.consumed.add(call)
-            return
-        if self.fsdp1(call.func) == BLOCK:
-            options = self.plan.removed.get(node)  # (type_blocks.py decides)
-            if options is not None:
-                self.blocks.append((options.model, options))
-                self.removed_blocks[node] = options.model
-                self.unwrap[node] = "state_dict"
-                self.consumed.add(node.items[0])
-            else:  # the block stays, reported, and the state-dict calls in it with it
-                model = self.code(call.args[0].value) if call.args and not call.args[0].keyword else ""
-                self.blocks.append((model, None))
-                self.kept_blocks.add(node)
-                if node in self.plan.kept:
-                    why = f"it stays: {self.plan.kept[node]}"
-                    fix = "write that call onto get_/set_model_state_dict with StateDictOptions, then migrate again"
-                    self.report(call, "`with FSDP.state_dict_type(...)`", why, fix)
-            return
-        func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value == "no_sync" and not call.args:
-            if self.code(func.value) in self.survey.models:
-                self.unwrap[node] = self.code(func.value)
-                self.consumed.add(node.items[0])
-
-    def _is_container(self, name: str) -> bool:
-        values = [value for _, value in self.survey.assigned.get(name, [])]
-        return bool(values) and all(summon.is_container_value(v, self.code) for v in values)
-
-    def leave_With(
-        self, original: cst.With, updated: cst.With
-    ) -> cst.BaseStatement | cst.FlattenSentinel[cst.BaseStatement]:
-        if original in self.kept_blocks:
-            self.blocks.pop()
-        if original in self.wraps.headers:
-            return unwrap.enable_wrap(updated, *self.wraps.headers[original])
-        if original in self.summons:
-            self.need(RUNTIME, summon.HELPER)
-            note = cst.EmptyLine(comment=cst.Comment(f"{NOTE} summon_full_params (the block only reads)"))
-            item = updated.items[0].with_changes(item=self.summons[original])
-            return updated.with_changes(items=[item], leading_lines=[*updated.leading_lines, note])
-        kind = self.unwrap.get(original)
-        if kind is None:
-            return updated
-        statements = unwrap.body_of(updated)
-        if kind == "state_dict":
-            self.blocks.pop()
-        else:
-            statements = unwrap.no_sync(kind, statements)
-        statements[0] = _with_leading(statements[0], list(updated.leading_lines))
-        return cst.FlattenSentinel(statements)
-
-    def _options(self, model: str, node: cst.Call, optim: bool = False) -> str | None:
-        """The StateDictOptions code a state-dict call on `model` takes: its state_dict_type block's, else its
-        followed set_state_dict_type's, else FSDP1's default (FULL on every rank); None where it is left as it is."""
-        for block_model, options in reversed(self.blocks):
-            if block_model == model:
-                return None if options is None else options.optim_options if optim else options.model_options
-        governed = self.set_types.governed.get(node)
-        if governed is not None:
-            return governed.optim_options if optim else governed.model_options
-        return None if node in self.set_types.left else _FULL
-
-    # -- calls ---------------------------------------------------------------------------------------------------
-
-    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
-        """`model.module`, FSDP1's wrapped module, is the model itself under FSDP2."""
-        if original.attr.value == "module" and self.code(original.value) in self.survey.models:
-            self.consumed.add(original)
-            return updated.value
-        if original.attr.value == "apply" and self.code(original.value) in self.survey.models:
-            parent = self.get_metadata(ParentNodeProvider, original, None)
-            if not (isinstance(parent, cst.Call) and parent.func is original):
-                self.report(original, apply_call.as_value(self.code(original.value)), *advice(apply_call.API))
-        return updated
-
-    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        if original in self.wraps.kept:
-            return original  # manual wrapping left to a person: its keywords stay FSDP1's
-        qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, original.func, set())}
-        if f"{RUNTIME}.apply_fully_shard" in qualified and len(original.args) > 1:
-            given = original.args[1].value  # an FSDP1 policy is what apply_fully_shard takes (a migrated file)
-            self.consumed.update({given, self.value_of(given)})
-        name = self.fsdp1(original.func)
-        rewritten: cst.BaseExpression | None = None
-        if name == "MixedPrecision":
-            _, buffer_dtype, refused = construction.mixed_precision_policy(original, self.code)
-            used = self._precision().get(original)  # None: no FSDP(...) of the file takes it
-            if refused or used is False or (buffer_dtype is not None and used is None):
-                self.report(original, f"MixedPrecision({', '.join(refused) or '...'})", *precision.kept(refused, used))
-                return updated
-            self.need(FSDP2, "MixedPrecisionPolicy")
-            rewritten = precision.policy_call(updated)
-        elif name == "CPUOffload" and construction.offload_policy(original, self.code):
-            self.need(FSDP2, construction.offload_policy(original, self.code))
-            rewritten = self.expr(f"{construction.offload_policy(original, self.code)}()")
-        elif optim_state.api_of(name) is not None:
-            rewritten = self._optim_call(cast(str, optim_state.api_of(name)), original)
-        elif name == apply_call.API:
-            rewritten = self._apply(original, apply_call.unbound(updated))
-        elif original in self.wraps.calls:  # wrap(module, ...) inside enable_wrap
-            unit = updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-            extra = cast(cst.Call, self.expr(f"f({', '.join(self.wraps.calls[original])})")).args
-            return updated.with_changes(func=cst.Name("fully_shard"), args=[unit, *extra])
-        elif name == f"{_FSDP}.fsdp_modules" and len(original.args) == 1 and not original.args[0].keyword:
-            self.need(FSDP2, "FSDPModule")
-            module = self.code(original.args[0].value)
-            rewritten = self.expr(f"[m for m in {module}.modules() if isinstance(m, FSDPModule)]")
-        elif self.code(original.func) == "isinstance" and len(original.args) == 2:
-            if self.fsdp1(original.args[1].value) == _FSDP:
-                self.need(FSDP2, "FSDPModule")
-                self.consumed.add(original.args[1].value)
-                return updated.with_changes(
-                    args=[updated.args[0], updated.args[1].with_changes(value=cst.Name("FSDPModule"))]
-                )
-        elif isinstance(original.func, cst.Attribute):
-            rewritten = self._method(original, updated)
-        if rewritten is None:
-            return updated
-        self.consumed.add(original)
-        return rewritten
-
-    def _precision(self) -> dict[cst.CSTNode, bool]:
-        """The MixedPrecision values FSDP(...) calls take -> whether all of those become fully_shard (a dry run)."""
-        if self._precision_uses is None:
-            built = [
-                (
-                    call,
-                    call in self.survey.constructions
-                    and not self._build(self.survey.constructions[call], call).problems,
-                )
-                for call in self.survey.fsdp_calls
-            ]
-            self._precision_uses = precision.uses(built, self.value_of)
-        return self._precision_uses
-
-    def _build(self, target: str, call: cst.Call) -> construction.Construction:
-        return construction.build(target, call, self.code, self.fsdp1, self.value_of, self.survey.meta)
-
-    def _apply(
-        self, original: cst.Call, mapped: apply_call.Mapped, left: cst.Call | None = None
-    ) -> cst.BaseExpression | None:
-        """FSDP1's apply as apply_full (apply_call.py), or reported and `left` (None: the call as updated)."""
-        if isinstance(mapped, str):
-            self.report(original, mapped, *advice(apply_call.API))
-            return left
-        self.need(RUNTIME, apply_call.HELPER)
-        return mapped
-
-    def _optim_call(self, api: str, call: cst.Call) -> cst.BaseExpression | None:
-        """An optimizer-state call in an expression (optim_state.py): a save or a re-keying; the to-load calls are
-        rewritten with the load_state_dict call that takes their result."""
-        if api in optim_state.LOADS:
-            return None
-        if api == optim_state.REKEY:
-            code = optim_state.rekey(call, self.code, self.fsdp1)
-            if not isinstance(code, optim_state.Refusal):
-                self.need(RUNTIME, "rekey_optim_state_dict")
-        else:
-            model = self.code(call.args[0].value) if call.args and not call.args[0].keyword else ""
-            options = self._options(model, call, optim=True) if api == "optim_state_dict" else _FULL
-            if options is None:
-                return None
-            code = optim_state.save(api, call, self.code, options)
-            if not isinstance(code, optim_state.Refusal):
-                self._need_helpers("get_optimizer_state_dict")
-        if isinstance(code, optim_state.Refusal):
-            self.report(call, code.what, code.why, code.fix)
-            return None
-        return self.expr(code)
-
-    def _optim_load(self, call: cst.Call, optimizer: str) -> cst.BaseExpression | None:
-        """`optimizer.load_state_dict(FSDP.<to-load API>(...))` as set_optimizer_state_dict, which loads."""
-        api = cast(str, optim_state.api_of(self.fsdp1(call.func)))
-        loading = optim_state.load(api, call, self.code)
-        code: str | optim_state.Refusal = loading if isinstance(loading, optim_state.Refusal) else ""
-        if isinstance(loading, optim_state.Load):
-            options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
-            if options is None:
-                return None  # the model's state-dict type is left to a person (reported)
-            code = self.resume.check(call, options) or optim_state.load_code(loading, optimizer, options)
-        if isinstance(code, optim_state.Refusal):
-            self.report(call, code.what, code.why, code.fix)
-            return None
-        self.resume.loaded(call, cast(optim_state.Load, loading).model, optimizer, cast(str, options))
-        self.consumed.add(call)
-        self._need_load(code)
-        return self.expr(code)
-
-    def _need_load(self, code: str) -> None:
-        self._need_helpers("set_optimizer_state_dict")
-        if "unshared_optim_state(" in code:
-            self.need(RUNTIME, "unshared_optim_state")
-
-    def _need_helpers(self, *names: str) -> None:
-        for name in (*names, "StateDictOptions"):
-            self.need(STATE_DICT_HELPERS, name)
-
-    def _method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression | None:
-        func = original.func
-        assert isinstance(func, cst.Attribute)
-        receiver, method = self.code(func.value), func.attr.value
-        # (each argument without its own comma, which a node keeps when another argument follows it)
-        args = [self.module.code_for_node(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in updated.args]
-        if method == "load_state_dict" and len(original.args) == 1:
-            inner = original.args[0].value
-            if isinstance(inner, cst.Call) and optim_state.api_of(self.fsdp1(inner.func)) in optim_state.LOADS:
-                return self._optim_load(inner, receiver)
-        if method == "apply" and isinstance(func.value, cst.Attribute) and func.value.attr.value == "module":
-            if self.code(func.value.value) in self.survey.models:  # FSDP1's wrapped module: left as written
-                return self._apply(original, apply_call.on_wrapped_module(receiver), updated.with_changes(func=func))
-        in_block = any(model == receiver for model, _ in self.blocks)  # the block's model, a parameter or attribute too
-        if receiver not in self.survey.models and original not in self.set_types.governed and not in_block:
-            return None
-        if method == "apply":
-            return self._apply(original, apply_call.bound(updated, cast(cst.Attribute, updated.func).value, receiver))
-        if method == "clip_grad_norm_":
-            self.need("torch")
-            return self.expr(f"torch.nn.utils.clip_grad_norm_({receiver}.parameters(), {', '.join(args)})")
-        options = self._options(receiver, original)
-        if options is None:
-            return None  # under a state-dict type left to a person (reported)
-        if method == "state_dict" and not args:
-            self._need_helpers("get_model_state_dict")
-            return self.expr(f"get_model_state_dict({receiver}, options={options})")
-        if method == "load_state_dict" and len(original.args) == 1 and not original.args[0].keyword:
-            self._need_helpers("set_model_state_dict")
-            return self.expr(f"set_model_state_dict({receiver}, {args[0]}, options={options})")
-        return None
-
-
-def migrate_source(source: str) -> MigrationResult:
-    """Rewrite one file's text; the findings are what is left to a person, by line of `source`."""
+def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResult:
+    """Rewrite one file's text (`facts`: what the program's other files say, program.py); the findings are what is
+    left to a person, by line of `source`."""
+    facts = facts or FileFacts()
     wrapper = MetadataWrapper(cst.parse_module(source))
+    subclasses = Subclasses(frozenset(facts.subclasses))
+    wrapper.visit(subclasses)
+    refused = refusals(subclasses, dict(facts.subclasses))
+    if refused:  # the whole file stays FSDP1 (subclasses.py)
+        return MigrationResult(source, source, refused)
     code = wrapper.module.code_for_node
     survey = Survey()
     wrapper.visit(survey)
     bindings = Bindings(wrapper)
     set_types = SetTypes(code, bindings)
     wrapper.visit(set_types)
+    if set_types.findings:  # a state-dict type it cannot follow: the whole file stays FSDP1 (state_dict_type.py)
+        return MigrationResult(source, source, sorted(set_types.findings, key=lambda f: f.line))
     wraps = ManualWrap(code, survey.value_of)
     wrapper.visit(wraps)
     blocks = TypeBlocks(code, bindings)
@@ -575,7 +54,8 @@ def migrate_source(source: str) -> MigrationResult:
     while True:  # each round keeps the blocks whose calls the last one could not all rewrite
         context = CodemodContext()
         resume.done.clear()
-        transformer = Fsdp1ToFsdp2(wrapper.module, survey, set_types, wraps, blocks.plan(keep), resume, context)
+        plan = blocks.plan(keep)
+        transformer = Fsdp1ToFsdp2(wrapper.module, survey, set_types, wraps, plan, resume, context, facts)
         tree = wrapper.visit(transformer)
         readers = Readers(transformer.removed_blocks, transformer.consumed - transformer.reported, code)
         wrapper.visit(readers)
@@ -589,10 +69,20 @@ def migrate_source(source: str) -> MigrationResult:
             RemoveImportsVisitor.remove_unused_import(context, module, name, asname)
         tree = AddImportsVisitor(context).transform_module(tree)
         tree = RemoveImportsVisitor(context).transform_module(tree)
-    finder = LeftoverFinder(transformer.consumed, {f.line for f in transformer.findings})
+    internals = Internals()
+    wrapper.visit(internals)
+    reported = [*transformer.findings, *internals.findings()]
+    finder = LeftoverFinder(transformer.consumed, {f.line for f in reported})
     wrapper.visit(finder)
-    findings = sorted(transformer.findings + finder.findings, key=lambda f: f.line)
-    return MigrationResult(source, tree.code, findings)
+    findings = sorted(reported + finder.findings, key=lambda f: f.line)
+    positions = wrapper.resolve(PositionProvider)
+    kept = frozenset(positions[c].start.line for c in survey.fsdp_calls if c not in transformer.migrated_calls)
+    policies = frozenset(n for n, v in survey.assigned.items() for _, value in v if value in transformer.kept_policies)
+    stays = kept | {positions[c].start.line for c in wraps.plan.kept}  # (manual wrapping left FSDP1's too)
+    if stays and tree.code != source:  # never a mix: the rest would be FSDP2's around an FSDP1 model
+        findings = sorted([*findings, kept_constructions(sorted(stays))], key=lambda f: f.line)
+        return MigrationResult(source, source, findings, kept, policies)
+    return MigrationResult(source, tree.code, findings, kept, policies)
 
 
 __all__ = ["migrate_source"]

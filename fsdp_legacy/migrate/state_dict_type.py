@@ -4,8 +4,11 @@
 rewriter keeps a stack of blocks). `FSDP.set_state_dict_type(model, ...)` sets them for the rest of the run, which
 the text shows only in simple cases: SetTypes follows a setter to the calls it governs where that is unambiguous
 (one setter for the model, configs it can read, and every state-dict call on the model after it in its own block,
-not in a nested function, the model not rebound there). Anywhere else the setter and the calls it may govern stay
-as they are and are reported: mapped with FSDP1's default type instead, they would save or load something else."""
+not in a nested function, the model not rebound there; or, where the function holding it returns the model, after
+each `name = function(...)` of the file, returned_model.py). Anywhere else the setter and the calls it may govern stay
+as they are and are reported, and so does the rest of the file (the rewriter refuses it as a whole): mapped with
+FSDP1's default type instead, the calls would save or load something else, and FSDP1's setter on a fully_shard model
+fails."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from .configs import Config
 from .names import fsdp1_name
 from .reorder import bound_names, names_in
 from .report import Finding
+from .returned_model import Sites, returned
 
 _FSDP = "FullyShardedDataParallel."
 BLOCK = _FSDP + "state_dict_type"
@@ -91,6 +95,9 @@ class SetTypes(cst.CSTVisitor):
         self.followed: dict[cst.SimpleStatementLine, tuple[cst.Call, TypeOptions]] = {}
         self.findings: list[Finding] = []
         self.left: set[cst.CSTNode] = set()
+        # followed setters in a function that returns the model -> its name (returned_model.py)
+        self.returned_to: dict[cst.SimpleStatementLine, str] = {}
+        self.module = cst.Module([])  # the tree visited (set on leaving it)
 
     def fsdp1(self, node: cst.CSTNode) -> str | None:
         names = [fsdp1_name(q.name) for q in self.get_metadata(QualifiedNameProvider, node, set())]
@@ -121,6 +128,7 @@ class SetTypes(cst.CSTVisitor):
             self.uses.setdefault(model, []).append(node)
 
     def leave_Module(self, original_node: cst.Module) -> None:
+        self.module = original_node
         for model, setters in self.setters.items():
             self._decide(model, setters, self.uses.get(model, []))
 
@@ -140,9 +148,17 @@ class SetTypes(cst.CSTVisitor):
                 "its type or configs are not ones this tool maps faithfully (LOCAL, positional or computed configs, "
                 "offload_to_cpu without rank0_only)"
             )
-        else:
-            outside = [use for use in uses if not self._after(use, statement)]
-            if outside:
+        sites: Sites | str | None = None
+        if why is None and statement is not None:
+            sites = returned(statement, model, self.bindings.parents, self.module)
+            if isinstance(sites, Sites):  # the caller's calls on what it receives take the type too
+                uses = uses + [
+                    u for s in sites.statements if sites.target(s) != model for u in self.uses.get(sites.target(s), [])
+                ]
+            outside = [use for use in uses if not self._covered(use, statement, sites)]
+            if isinstance(sites, str):
+                why = sites
+            elif outside:
                 why = (
                     f"state-dict calls on `{model}` at lines {self._lines(outside)} are not after it in its block "
                     "(before it, in another function, or in a nested one): which type they run under depends on "
@@ -150,12 +166,22 @@ class SetTypes(cst.CSTVisitor):
                 )
             elif names_in(cst.parse_expression(model)) & self._bound_after(statement):
                 why = f"`{model}` is bound again after it"
+            elif isinstance(sites, Sites):
+                rebound = [s for s in sites.statements if sites.target(s) in self._bound_after(s)]
+                if rebound:
+                    why = f"`{sites.target(rebound[0])}` is bound again after `{self.code(rebound[0].body[0])}`"
         if why is None:
             assert statement is not None and options is not None
             self.followed[statement] = (setter, options)
+            if isinstance(sites, Sites):
+                self.returned_to[statement] = sites.function
             self.governed.update(dict.fromkeys(uses, options))
             return
         fix = "use `get_/set_model_state_dict` and `get_/set_optimizer_state_dict` with `StateDictOptions` at each call"
+        why += (
+            "; the file is left as it is, as a whole: the model must stay FSDP1 for its type to hold, and every call "
+            "on it with it"
+        )
         for node in setters:
             self._report(node, f"FSDP.set_state_dict_type({model}, ...)", why, fix)
         for use in uses:
@@ -171,6 +197,19 @@ class SetTypes(cst.CSTVisitor):
             if isinstance(self.get_metadata(ParentNodeProvider, line), (cst.IndentedBlock, cst.Module)):
                 return line
         return None
+
+    def _covered(self, use: cst.Call, setter: cst.SimpleStatementLine, sites: Sites | str | None) -> bool:
+        """Whether the type set by `setter` governs `use`: after it in its block, or, for a model the function
+        returns, after a call site whose target the use is on."""
+        if self._after(use, setter):
+            return True
+        if not isinstance(sites, Sites):
+            return False
+        receiver = (
+            use.func.value if isinstance(use.func, cst.Attribute) and use.func.attr.value in _METHOD_USES else None
+        )
+        on = self.code(receiver) if receiver is not None else self.code(use.args[0].value) if use.args else ""
+        return any(sites.target(s) == on and self._after(use, s) for s in sites.statements)
 
     def _after(self, node: cst.CSTNode, statement: cst.SimpleStatementLine) -> bool:
         """Whether `node` runs after `statement` whenever it runs: within a later statement of the same block, not
@@ -196,5 +235,5 @@ class SetTypes(cst.CSTVisitor):
         return ", ".join(str(self._line(n)) for n in nodes)
 
     def _report(self, node: cst.CSTNode, what: str, why: str, fix: str) -> None:
-        self.findings.append(Finding(self._line(node), what, why, fix))
+        self.findings.append(Finding(self._line(node), what, why, fix, "refused"))
         self.left.add(node)

@@ -191,3 +191,94 @@ def test_a_call_in_another_function_keeps_the_setter() -> None:
     )
     assert without.findings == []
     assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in without.migrated
+
+
+# -- the model built, typed and returned by one function, its state-dict calls in the caller -----------------------
+
+_BUILDER = """
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+from torch.distributed.fsdp import FullStateDictConfig, ShardedStateDictConfig
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+
+def build_model():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+    FSDP.set_state_dict_type(model, StateDictType.TYPE, CONFIG)
+    return model
+
+
+def run():
+    fsdp_model = build_model()
+    optim = torch.optim.Adam(fsdp_model.parameters(), lr=0.1)
+    fsdp_model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    saved = {"model": fsdp_model.state_dict(), "optim": FSDP.optim_state_dict(fsdp_model, optim)}
+    with FSDP.state_dict_type(fsdp_model, StateDictType.FULL_STATE_DICT):
+        full = fsdp_model.state_dict()
+    again = fsdp_model.state_dict()
+    fsdp_model.load_state_dict(LOAD)
+    return saved, full, again, fsdp_model.state_dict()
+"""
+
+
+def _builder(kind: str) -> str:
+    type_, config, load = _TYPES[kind]
+    return _BUILDER.replace("TYPE", type_).replace("CONFIG", config).replace("LOAD", load)
+
+
+@pytest.mark.parametrize("kind", list(_TYPES))
+def test_a_type_set_where_the_model_is_built_is_followed_to_the_caller(ranks: Any, kind: str) -> None:
+    """Before, the setter stayed (reported: the calls were 'not after it in its block') while the construction
+    became fully_shard: FSDP1's setter on an FSDP2 model. Now the type travels with the returned model to the
+    `fsdp_model = build_model()` call site, and the caller's calls take its options; per rank, the same state dicts
+    as torch's FSDP1 gives, and the same state after loading."""
+    source = _builder(kind)
+    result = migrate_source(source)
+    assert result.findings == [], [f.format("x.py") for f in result.findings]
+    out = result.migrated
+    assert _fsdp1_names(ast.parse(out)) == set() and "    FSDP.set_state_dict_type(" not in out
+    assert "the state-dict calls on what build_model() returns take its options" in out
+    options = "StateDictOptions(full_state_dict=True, cpu_offload=True)" if "full" in kind else "StateDictOptions()"
+    assert f"again = get_model_state_dict(fsdp_model, options={options})" in out
+    for fsdp1, fsdp2 in ranks(_under_the_set_type, 2, source, out):
+        assert _equal(fsdp2, fsdp1)
+
+
+_NOT_FOLLOWED = {
+    "not called in the file": ("fsdp_model = build_model()", "fsdp_model = make()", "is not called in this file"),
+    "used as a value": ("fsdp_model = build_model()", "fsdp_model = [build_model()][0]", "used other than as"),
+    "two returns": (
+        "    return model\n",
+        "    if dist.get_rank() < 0:\n        return None\n    return model\n",
+        "more than one place",
+    ),
+    "a call in another function": (
+        "def run():",
+        "def save(fsdp_model):\n    return fsdp_model.state_dict()\n\n\ndef run():",
+        "are not after it",
+    ),
+    "the target bound again": (
+        "    again = fsdp_model",
+        "    fsdp_model = fsdp_model\n    again = fsdp_model",
+        "`fsdp_model` is bound again after `fsdp_model = build_model()`",
+    ),
+}
+
+
+@pytest.mark.parametrize(("before", "after", "why"), _NOT_FOLLOWED.values(), ids=list(_NOT_FOLLOWED))
+def test_where_the_returned_model_goes_is_unclear_the_file_stays_fsdp1(before: str, after: str, why: str) -> None:
+    """All FSDP1 or all FSDP2: the construction, the setter and every call stay as they were, byte for byte, and
+    the setter's finding says why (before, the construction became fully_shard under FSDP1's setter)."""
+    source = _builder("sharded").replace(before, after, 1)
+    assert after in source
+    result = migrate_source(source)
+    assert result.migrated == source
+    setter = next(i for i, line in enumerate(source.splitlines(), 1) if "set_state_dict_type" in line)
+    found = {f.line: f for f in result.findings}
+    assert found[setter].kind == "refused" and why in found[setter].why, found[setter].why
+    assert "the file is left as it is, as a whole" in found[setter].why

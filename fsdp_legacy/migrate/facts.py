@@ -1,0 +1,29 @@
+"""What the other files of a program, migrated together (program.py), tell the rewrite of one file."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ImportedPolicy:
+    """A `name = MixedPrecision(...)` of another file, imported here: what FSDP2's policy would lack."""
+
+    origin: str  # `path:line` of its assignment
+    buffer_dtype: str | None  # its buffer_dtype's code, which the construction taking it must cast the buffers to
+    refused: tuple[str, ...]  # its arguments FSDP2's MixedPrecisionPolicy has no counterpart for
+    kept: str | None = None  # why it stays FSDP1's (then so does every construction taking it)
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    """One file's view of the program (empty: the file is migrated alone)."""
+
+    # FSDP1 subclasses the other files define: name -> `path:line`
+    subclasses: Mapping[str, str] = field(default_factory=dict)
+    # local names bound to another file's MixedPrecision(...) that FSDP(...) here may take as fully_shard's policy
+    policies: Mapping[str, ImportedPolicy] = field(default_factory=dict)
+    # this file's module-level MixedPrecision names used by other files: whether each of those uses becomes
+    # FSDP2's (False: one stays FSDP1, so the policy must stay FSDP1's too)
+    policy_uses: Mapping[str, bool] = field(default_factory=dict)

@@ -1,0 +1,119 @@
+"""The files of one program migrated together (`fsdp-legacy migrate src/`): what one file defines that another uses
+is treated the same way in both, so the program ends up all FSDP2, or a file stays all FSDP1 with its reasons.
+
+- FSDP1 subclasses (subclasses.py): a program that defines one keeps every file that uses FSDP1 as it is.
+- MixedPrecision policies of one file taken by FSDP(...) in another (policies.py): the policy becomes FSDP2's only
+  where every construction that takes it does.
+- A file that stays FSDP1 (refused as a whole, or with FSDP(...) calls left FSDP1) keeps every file importing from
+  it as it is too: what they get from it is FSDP1's."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper
+
+from . import policies
+from .facts import FileFacts
+from .report import Finding, MigrationResult
+from .rewriter import migrate_source
+from .subclasses import REFUSED, Subclasses, program_refusal
+
+_ROUNDS = 8  # a policy kept FSDP1 can keep a construction, which can keep another policy: a few rounds at most
+
+
+@dataclass(frozen=True)
+class Program:
+    """Each file's migration by path, and the files that could not be parsed (path -> the parser's error)."""
+
+    results: dict[str, MigrationResult]
+    unparsable: dict[str, cst.ParserSyntaxError]
+
+
+def _subclasses(wrappers: Mapping[str, MetadataWrapper]) -> dict[str, dict[str, str]]:
+    """path -> the FSDP1 subclasses it defines (name -> `path:line`), followed across files (a subclass of a
+    subclass defined elsewhere) until nothing new is found."""
+    known: dict[str, str] = {}
+    defined: dict[str, dict[str, str]] = {}
+    while True:
+        before = len(known)
+        for path, wrapper in wrappers.items():
+            found = Subclasses(frozenset(known))
+            wrapper.visit(found)
+            defined[path] = {s.name: f"{path}:{s.line}" for s in found.defined}
+            known.update(defined[path])
+        if len(known) == before:
+            return defined
+
+
+def migrate_program(sources: Mapping[str, str]) -> Program:
+    """Rewrite every file of `sources` (path -> text) as one program."""
+    wrappers: dict[str, MetadataWrapper] = {}
+    unparsable: dict[str, cst.ParserSyntaxError] = {}
+    for path, source in sources.items():
+        try:
+            wrappers[path] = MetadataWrapper(cst.parse_module(source))
+        except cst.ParserSyntaxError as error:
+            unparsable[path] = error
+    defined = _subclasses(wrappers)
+    every = {name: where for found in defined.values() for name, where in found.items()}
+    shared = policies.Shared(wrappers)
+    results: dict[str, MigrationResult] = {}
+    forced: dict[str, str] = {}  # files left FSDP1 because they import from one that stays FSDP1 -> that file
+    last: dict[str, tuple[FileFacts, MigrationResult]] = {}  # each file's facts and rewrite in the round before
+    for _ in range(_ROUNDS):
+        for path in wrappers:
+            others = {n: w for n, w in every.items() if n not in defined[path]}
+            facts = FileFacts(others, shared.imported(path), shared.uses_of(path))
+            if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
+                result = last[path][1]
+            else:
+                result = migrate_source(sources[path], facts)
+                last[path] = (facts, result)
+            if every and not any(f.kind == REFUSED for f in result.findings) and (result.changed or result.findings):
+                result = MigrationResult(sources[path], sources[path], [program_refusal(every)])
+            results[path] = result if path not in forced else _importing(result, forced[path])
+        grew = _propagate(results, shared, forced)
+        if not shared.update(results) and not grew:  # every file decided the same way as the last round
+            break
+    return Program(results, unparsable)
+
+
+def _stays_fsdp1(result: MigrationResult) -> bool:
+    """A file whose FSDP1 objects stay FSDP1's: refused as a whole, or with FSDP(...) calls left FSDP1."""
+    return bool(result.fsdp1_constructions) or any(f.kind == REFUSED for f in result.findings)
+
+
+def _importing(result: MigrationResult, source: str) -> MigrationResult:
+    """A file left as it is because it imports from `source`, which stays FSDP1."""
+    if not result.changed:
+        return result
+    why = (
+        f"it imports from {source}, which stays FSDP1 (reported there): the models, functions and policies it gets "
+        "from there are FSDP1's, and this file's calls rewritten for FSDP2 would not fit them; the file is left as it "
+        "is, as a whole"
+    )
+    finding = Finding(1, f"imports from {source}, which stays FSDP1", why, "migrate that file first", REFUSED)
+    return MigrationResult(result.source, result.source, [finding, *result.findings])
+
+
+def _propagate(results: dict[str, MigrationResult], shared: policies.Shared, forced: dict[str, str]) -> bool:
+    """Files that would change while importing from a file that stays FSDP1 are left as they are too, following
+    the imports until nothing new stays; True when a file was added."""
+    grew = False
+    while True:
+        added = {
+            path: source
+            for path, result in results.items()
+            if path not in forced and result.changed
+            for source in sorted(shared.imports_from(path))
+            if _stays_fsdp1(results[source])
+        }
+        if not added:
+            return grew
+        for path, source in added.items():
+            forced[path] = source
+            results[path] = _importing(results[path], source)
+        grew = True
