@@ -244,12 +244,15 @@ def test_an_empty_root_and_non_checkpoints(tmp_path) -> None:
     assert latest(str(tmp_path)) is None
 
 
+_SEALED_STEPS = 2
+
+
 def _sealed_and_plain(root: str) -> None:
     """At each step, our sealed DCP save (step_<n>) and then, as an exporter might, torch's plain dcp.save of the same
     state (export_<n>, newer, carrying no seal of ours)."""
     model = build_ours(CONFIG)[1]
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    for step in range(1, STEPS + 1):
+    for step in range(1, _SEALED_STEPS + 1):
         loss_of(model(batch(CONFIG, step))).backward()
         optim.step()
         optim.zero_grad()
@@ -266,7 +269,7 @@ def test_a_sealed_checkpoint_is_preferred_over_an_unsealed_one_of_its_step(tmp_p
     step still wins unsealed, and where the sealed one is damaged the unsealed one of its step is taken."""
     root = str(tmp_path)
     run_on_ranks(_sealed_and_plain, 2, root)
-    sealed, plain = os.path.join(root, f"step_{STEPS}"), os.path.join(root, f"export_{STEPS}")
+    sealed, plain = os.path.join(root, f"step_{_SEALED_STEPS}"), os.path.join(root, f"export_{_SEALED_STEPS}")
     assert os.path.getmtime(os.path.join(plain, ".metadata")) > os.path.getmtime(os.path.join(sealed, ".metadata"))
     found = run_on_ranks(latest, 2, root)
     assert found[0] == found[1] and found[0] is not None
@@ -280,6 +283,6 @@ def test_a_sealed_checkpoint_is_preferred_over_an_unsealed_one_of_its_step(tmp_p
     result = latest(root)
     assert result is not None and result.path == plain and "no save identity" in result.checked
     assert {s.path for s in result.skipped} == {sealed}
-    shutil.copytree(plain, os.path.join(root, f"export_{STEPS + 1}"))  # an unsealed newer step
+    shutil.copytree(plain, os.path.join(root, f"export_{_SEALED_STEPS + 1}"))  # an unsealed newer step
     result = latest(root)
-    assert result is not None and result.path == os.path.join(root, f"export_{STEPS + 1}")
+    assert result is not None and result.path == os.path.join(root, f"export_{_SEALED_STEPS + 1}")
