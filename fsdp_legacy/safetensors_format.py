@@ -521,16 +521,17 @@ class WeightsDirectory:
             elif header.data_sealed:
                 work.append((sum(stored.nbytes for stored in header.tensors.values()), name, None))
         work.sort(key=lambda item: (-item[0], item[1], item[2] or ""))  # the largest first, dealt round the ranks
-        mine: dict[str, list[str] | None] = {}
+        whole: set[str] = set()  # files checked as a whole (one CRC-32 of all their data)
+        tensors: dict[str, list[str]] = {}  # file -> the tensors of it to check
         for _, name, key in work[share[0] :: share[1]]:
             if key is None:
-                mine[name] = None
+                whole.add(name)
             else:
-                listed = mine.setdefault(name, [])
-                assert listed is not None
-                listed.append(key)
-        for name, keys in mine.items():
-            problem = self.headers[name].data_crc_problem(os.path.join(self.directory, name), keys)
+                tensors.setdefault(name, []).append(key)
+        for name in sorted(whole | set(tensors)):
+            problem = self.headers[name].data_crc_problem(
+                os.path.join(self.directory, name), None if name in whole else tensors[name]
+            )
             if problem is not None:
                 return problem
         return None

@@ -186,10 +186,14 @@ class RankFiles(Checkpoint):
             raise CheckpointError(f"{file} says it was saved by rank {rank} of {world_size}: the file is damaged.")
         return leaves, rank, world_size, records
 
+    @property
+    def identified(self) -> bool:
+        """Whether every layout record carries its save's identity (our LOCAL saves; not torch's FSDP1's)."""
+        return bool(self.side_records) and all(r.save_id for r in self.side_records.values())
+
     def verify_seals(self) -> Seals:
         """The archives' CRC-32s and the save identities were checked on opening (unless a share was given)."""
-        identified = bool(self.side_records) and all(r.save_id for r in self.side_records.values())
-        return rank_file_seals(identified, self._crc_checked is None)
+        return rank_file_seals(self.identified, self._crc_checked is None)
 
     def read(self, path: Path) -> torch.Tensor:
         if path in self._plain:

@@ -134,12 +134,11 @@ def verify(path: str, fmt: str, share: tuple[int, int] = (0, 1)) -> Verified:
                     check_archive(handle, file)
         checkpoint = RankFiles(files, path, crc_checked=set(files[share[0] :: share[1]]))
         save_id = next((r.save_id for r in checkpoint.side_records.values() if r.save_id), None)
-        identified = bool(checkpoint.side_records) and all(r.save_id for r in checkpoint.side_records.values())
         return Verified(
             f"every rank's file of {checkpoint.world_size} present, CRC-32s of the archives"
-            + (", save identities" if identified else " (no save identities)"),
+            + (", save identities" if checkpoint.identified else " (no save identities)"),
             save_id,
-            identified,
+            checkpoint.identified,
         )
     return _verify_full(path, share)
 
