@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from .facts import ImportedPolicy
+from .names import WRAP_POLICIES
 
 Code = Callable[[cst.CSTNode], str]  # a node's source text
 Fsdp1 = Callable[[cst.CSTNode], "str | None"]  # a node's FSDP1 name, if it is one
@@ -432,3 +433,19 @@ def _policy_classes(policy: cst.BaseExpression, code: Code, fsdp1: Fsdp1) -> str
         names = [code(e.value) for e in classes.elements if isinstance(e, cst.Element)]
         return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
     return None if classes is None else f"tuple({code(classes)})"
+
+
+def policy_names(node: cst.CSTNode, fsdp1: Fsdp1) -> list[cst.CSTNode]:
+    """The FSDP1 wrap policies named inside `node` (a function that builds a policy): torch's policy functions and
+    classes, which apply_fully_shard evaluates as FSDP1 does."""
+    found: list[cst.CSTNode] = []
+
+    class _Names(cst.CSTVisitor):
+        def on_visit(self, inner: cst.CSTNode) -> bool:
+            if isinstance(inner, (cst.Name, cst.Attribute)) and fsdp1(inner) in WRAP_POLICIES:
+                found.append(inner)
+                return False
+            return True
+
+    node.visit(_Names())
+    return found
