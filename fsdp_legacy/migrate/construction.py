@@ -111,6 +111,7 @@ def build(
     may be built there and must be materialized as FSDP1 does; `imported`: names bound to MixedPrecision policies of
     other files of the program (facts.py)."""
     out = Construction()
+    call = module_first(call)
     if not call.args or call.args[0].keyword is not None or call.args[0].star:
         out.problems.append(Problem(call, "FSDP(...) without the module as first argument", *_UNMAPPED))
         return out
@@ -449,3 +450,13 @@ def policy_names(node: cst.CSTNode, fsdp1: Fsdp1) -> list[cst.CSTNode]:
 
     node.visit(_Names())
     return found
+
+
+def module_first(call: cst.Call) -> cst.Call:
+    """`FSDP(module=model, ...)` (torchtune's recipes write it so) read as `FSDP(model, ...)`: the same argument,
+    by position. Any other call as it is."""
+    named = [a for a in call.args if a.keyword is not None and a.keyword.value == "module"]
+    if len(named) != 1 or any(a.keyword is None for a in call.args):
+        return call
+    first = named[0].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+    return call.with_changes(args=[first, *(a for a in call.args if a is not named[0])])

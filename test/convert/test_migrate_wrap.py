@@ -284,3 +284,15 @@ def test_a_policy_built_by_a_function_of_the_file_goes_to_apply_fully_shard(rank
         "FSDP1 API `lambda_auto_wrap_policy` left in place",
         "FSDP1 API `transformer_auto_wrap_policy` left in place",
     }
+
+
+def test_the_module_passed_by_keyword_migrates_as_by_position(ranks: Any) -> None:
+    """torchtune's recipes write `FSDP(module=model, ...)`: it was left FSDP1 ("without the module as first
+    argument"), keeping the whole file; it is the same construction, and the same units as torch's FSDP1."""
+    positional = _MODEL.replace("POLICY", "ModuleWrapPolicy({Block})")
+    keyword = positional.replace("FSDP(model, ", "FSDP(module=model, ")
+    assert keyword != positional
+    result = migrate_source(keyword)
+    assert result.findings == [] and result.migrated == migrate_source(positional).migrated
+    fsdp1, fsdp2 = ranks(_unit_names, 2, keyword, result.migrated)[0]
+    assert fsdp1 == ["", "0", "1"] and fsdp2 == fsdp1
