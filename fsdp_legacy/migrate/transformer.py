@@ -424,6 +424,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if f"{RUNTIME}.apply_fully_shard" in qualified and len(original.args) > 1:
             given = original.args[1].value  # an FSDP1 policy is what apply_fully_shard takes (a migrated file)
             self.consumed.update({given, self.value_of(given)})
+            self._policy_factory(self.value_of(given))
         name = self.fsdp1(original.func)
         rewritten: cst.BaseExpression | None = None
         if name == "MixedPrecision":

@@ -275,6 +275,8 @@ def test_a_policy_built_by_a_function_of_the_file_goes_to_apply_fully_shard(rank
     result = migrate_source(source)
     assert result.findings == [], [f.format("x.py") for f in result.findings]
     assert "apply_fully_shard(model, get_wrapping_policy())" in result.migrated
+    again = migrate_source(result.migrated)  # a second run over the migrated file finds nothing either
+    assert (again.migrated, again.findings) == (result.migrated, [])
     fsdp1, fsdp2 = ranks(_unit_names, 2, source, result.migrated)[0]
     assert fsdp1 == ["", "0", "1", "2"] and fsdp2 == fsdp1
     # the function used otherwise too (here: called a second time): what else its policies reach is not known
