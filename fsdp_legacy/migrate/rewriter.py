@@ -82,9 +82,9 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     if stays and tree.code != source:  # never a mix: the rest would be FSDP2's around an FSDP1 model
         findings = sorted([*findings, kept_constructions(sorted(stays))], key=lambda f: f.line)
         return MigrationResult(source, source, findings, kept, policies)
-    blocks = sorted(positions[b].start.line for b in transformer.kept_blocks)
-    if blocks and tree.code != source:  # nor FSDP1's state_dict_type (a no-op there) around an FSDP2 model
-        findings = sorted([*findings, kept_type_blocks(blocks)], key=lambda f: f.line)
+    kept_blocks = sorted(positions[b].start.line for b in transformer.kept_blocks)
+    if kept_blocks and tree.code != source:  # nor FSDP1's state_dict_type (a no-op there) around an FSDP2 model
+        findings = sorted([*findings, kept_type_blocks(kept_blocks)], key=lambda f: f.line)
         return MigrationResult(source, source, findings, kept, policies)
     return MigrationResult(source, tree.code, findings, kept, policies)
 

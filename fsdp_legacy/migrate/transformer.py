@@ -232,8 +232,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 self._policy_factory(self.value_of(arg.value))
         notes = [cst.EmptyLine(comment=cst.Comment(note)) for note in built.notes]
         built.statements[0] = _with_leading(built.statements[0], [*original.leading_lines, *notes])
-        module = construction.module_first(call).args[0].value
-        model = self.code(module) if isinstance(module, (cst.Name, cst.Attribute)) else target
+        wrapped = construction.module_first(call).args[0].value
+        model = self.code(wrapped) if isinstance(wrapped, (cst.Name, cst.Attribute)) else target
         placed = Placed(model, target, len(built.statements), built.materializes)
         self.constructions[self._key(built.statements[0])] = placed
         return cst.FlattenSentinel(built.statements)
