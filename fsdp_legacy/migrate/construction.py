@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from .facts import ImportedPolicy
+from .names import WRAP_POLICIES
 
 Code = Callable[[cst.CSTNode], str]  # a node's source text
 Fsdp1 = Callable[[cst.CSTNode], "str | None"]  # a node's FSDP1 name, if it is one
@@ -110,6 +111,7 @@ def build(
     may be built there and must be materialized as FSDP1 does; `imported`: names bound to MixedPrecision policies of
     other files of the program (facts.py)."""
     out = Construction()
+    call = module_first(call)
     if not call.args or call.args[0].keyword is not None or call.args[0].star:
         out.problems.append(Problem(call, "FSDP(...) without the module as first argument", *_UNMAPPED))
         return out
@@ -432,3 +434,29 @@ def _policy_classes(policy: cst.BaseExpression, code: Code, fsdp1: Fsdp1) -> str
         names = [code(e.value) for e in classes.elements if isinstance(e, cst.Element)]
         return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
     return None if classes is None else f"tuple({code(classes)})"
+
+
+def policy_names(node: cst.CSTNode, fsdp1: Fsdp1) -> list[cst.CSTNode]:
+    """The FSDP1 wrap policies named inside `node` (a function that builds a policy): torch's policy functions and
+    classes, which apply_fully_shard evaluates as FSDP1 does."""
+    found: list[cst.CSTNode] = []
+
+    class _Names(cst.CSTVisitor):
+        def on_visit(self, inner: cst.CSTNode) -> bool:
+            if isinstance(inner, (cst.Name, cst.Attribute)) and fsdp1(inner) in WRAP_POLICIES:
+                found.append(inner)
+                return False
+            return True
+
+    node.visit(_Names())
+    return found
+
+
+def module_first(call: cst.Call) -> cst.Call:
+    """`FSDP(module=model, ...)` (torchtune's recipes write it so) read as `FSDP(model, ...)`: the same argument,
+    by position. Any other call as it is."""
+    named = [a for a in call.args if a.keyword is not None and a.keyword.value == "module"]
+    if len(named) != 1 or any(a.keyword is None for a in call.args):
+        return call
+    first = named[0].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+    return call.with_changes(args=[first, *(a for a in call.args if a is not named[0])])

@@ -20,7 +20,7 @@ from .removal import RemoveStatements as _RemoveStatements
 from .report import MigrationResult
 from .sharded_resume import ShardedResume
 from .state_dict_type import SetTypes
-from .subclasses import Subclasses, kept_constructions, refusals
+from .subclasses import Subclasses, kept_constructions, kept_type_blocks, refusals
 from .survey import Survey
 from .transformer import Fsdp1ToFsdp2
 from .type_blocks import Readers, TypeBlocks
@@ -81,6 +81,10 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     stays = kept | {positions[c].start.line for c in wraps.plan.kept}  # (manual wrapping left FSDP1's too)
     if stays and tree.code != source:  # never a mix: the rest would be FSDP2's around an FSDP1 model
         findings = sorted([*findings, kept_constructions(sorted(stays))], key=lambda f: f.line)
+        return MigrationResult(source, source, findings, kept, policies)
+    kept_blocks = sorted(positions[b].start.line for b in transformer.kept_blocks)
+    if kept_blocks and tree.code != source:  # nor FSDP1's state_dict_type (a no-op there) around an FSDP2 model
+        findings = sorted([*findings, kept_type_blocks(kept_blocks)], key=lambda f: f.line)
         return MigrationResult(source, source, findings, kept, policies)
     return MigrationResult(source, tree.code, findings, kept, policies)
 

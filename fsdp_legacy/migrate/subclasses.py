@@ -125,3 +125,18 @@ def kept_constructions(lines: list[int]) -> Finding:
     )
     fix = "make those constructions ones this tool maps (keywords it can read), then migrate again"
     return Finding(lines[0], "FSDP1 constructions kept", why, fix, REFUSED)
+
+
+def kept_type_blocks(lines: list[int]) -> Finding:
+    """For a file with `state_dict_type` blocks that stay (reported at their lines) beside code the rewrite would
+    change: that code is left FSDP1's too."""
+    where = ", ".join(map(str, lines))
+    many = len(lines) > 1
+    why = (
+        f"the `FSDP.state_dict_type(...)` block{'s' if many else ''} at line{'s' if many else ''} {where} "
+        f"stay{'' if many else 's'} FSDP1 (the findings there say why), and rewriting the rest of the file for FSDP2 "
+        "would mix the two: on an FSDP2 model FSDP1's block sets nothing (the calls under it get each rank's DTensor "
+        "shards, where FSDP1 gave the type's state dict) and fails on leaving; the file is left as it is, as a whole"
+    )
+    fix = "write the calls under those blocks onto get_/set_model_state_dict with StateDictOptions, then migrate again"
+    return Finding(lines[0], "FSDP1 state_dict_type blocks kept", why, fix, REFUSED)

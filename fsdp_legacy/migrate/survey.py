@@ -34,6 +34,7 @@ class Survey(cst.CSTVisitor):
         self.name_count: Counter[str] = Counter()
         self.fsdp1_imports: list[tuple[str, str, str | None]] = []
         self.checkpointing_functions: set[str] = set()
+        self.functions: dict[str, list[cst.FunctionDef]] = {}  # every def of the file (any depth), by name
         self.meta = False
         self.fsdp_calls: list[cst.Call] = []  # every FSDP(...) call
         self.constructions: dict[cst.Call, str] = {}  # those the rewriter maps: `target = FSDP(...)` -> target
@@ -41,6 +42,7 @@ class Survey(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         """A function that only applies activation checkpointing (besides local names, prints and its docstring)
         can move with its call; one that does more cannot."""
+        self.functions.setdefault(node.name.value, []).append(node)
         body = node.body.body if isinstance(node.body, cst.IndentedBlock) else ()
         if all(isinstance(statement, cst.SimpleStatementLine) for statement in body):
             kinds = [self._kind(small) for st in cast(Sequence[cst.SimpleStatementLine], body) for small in st.body]

@@ -228,12 +228,25 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 self._drop_if_dead(arg.value.value, "\n".join(self.code(s) for s in built.statements))
                 if self.value_of(arg.value) is not arg.value:  # or it is handed to apply_fully_shard as it is
                     self.consumed.add(self.value_of(arg.value))
+            if arg.keyword and arg.keyword.value == "auto_wrap_policy":
+                self._policy_factory(self.value_of(arg.value))
         notes = [cst.EmptyLine(comment=cst.Comment(note)) for note in built.notes]
         built.statements[0] = _with_leading(built.statements[0], [*original.leading_lines, *notes])
-        model = self.code(call.args[0].value) if isinstance(call.args[0].value, (cst.Name, cst.Attribute)) else target
+        wrapped = construction.module_first(call).args[0].value
+        model = self.code(wrapped) if isinstance(wrapped, (cst.Name, cst.Attribute)) else target
         placed = Placed(model, target, len(built.statements), built.materializes)
         self.constructions[self._key(built.statements[0])] = placed
         return cst.FlattenSentinel(built.statements)
+
+    def _policy_factory(self, policy: cst.BaseExpression) -> None:
+        """A policy built by a function of the file (`auto_wrap_policy=get_wrapping_policy(...)`, or a name assigned
+        its result) goes to apply_fully_shard as it is, which evaluates it as FSDP1 does: the FSDP1 policies the
+        function composes are accounted for, when that call is the function's only use in the file."""
+        if not (isinstance(policy, cst.Call) and isinstance(policy.func, cst.Name)):
+            return
+        defs = self.survey.functions.get(policy.func.value, [])
+        if len(defs) == 1 and self.survey.name_count[policy.func.value] == 2:  # the def and this call
+            self.consumed.update(construction.policy_names(defs[0], self.fsdp1))
 
     def _drop_if_dead(self, name: str, rewritten: str = "") -> None:
         """Take out `name = ...` when the rewrite consumed its only use (and does not name it in `rewritten`)."""
@@ -411,6 +424,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if f"{RUNTIME}.apply_fully_shard" in qualified and len(original.args) > 1:
             given = original.args[1].value  # an FSDP1 policy is what apply_fully_shard takes (a migrated file)
             self.consumed.update({given, self.value_of(given)})
+            self._policy_factory(self.value_of(given))
         name = self.fsdp1(original.func)
         rewritten: cst.BaseExpression | None = None
         if name == "MixedPrecision":

@@ -181,6 +181,97 @@ def test_legacy_optimizer_api_program_trains_the_same_and_resumes_from_fsdp1(tmp
     _assert_close(sharded["loss"], before["loss"][3:])
 
 
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_llama_recipes_style_program_trains_the_same_and_resumes_from_fsdp1(tmp_path: Path) -> None:
+    """A module-level FullStateDictConfig used by a handler whose model is a parameter, full_optim_state_dict saved by
+    rank 0, scatter_full_optim_state_dict to resume, clipping and accumulation in a train function."""
+    fsdp1_dir, fsdp2_dir = tmp_path / "fsdp1", tmp_path / "fsdp2"
+    args = ("--steps", "5", "--save-after", "1")
+    fsdp2, before = _compare("llama_recipes_style", tmp_path, *args, fsdp1_args=("--save", str(fsdp1_dir)),
+                             fsdp2_args=("--save", str(fsdp2_dir)))  # fmt: skip
+    assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))" in (
+        fsdp2.read_text()
+    )
+    (after,) = _torchrun((fsdp2, "--steps", "5", "--resume", fsdp1_dir, "--first-step", "2"))
+    _assert_close(after["loss"], before["loss"][4:])  # two micro-batches per step
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_qlora_style_program_in_bf16_from_meta_on_other_ranks(tmp_path: Path) -> None:
+    """Rank 0 real, the others on meta (a lambda param_init_fn, sync_module_states), a policy built by a function
+    (_or_policy of lambda and transformer policies), frozen base with LoRA, bf16 with a buffer dtype, no_sync, and
+    the LoRA weights of a FULL rank0_only state dict (their checksum printed); resumed from FSDP1's file."""
+    saved = tmp_path / "lora.pt"
+    saves = {"fsdp1_args": ("--save", str(saved)), "fsdp2_args": ("--save", str(tmp_path / "fsdp2.pt"))}
+    fsdp2, before = _compare("qlora_style", tmp_path, "--steps", "4", rtol=BF16_RTOL, **saves)  # type: ignore[arg-type]
+    assert "apply_fully_shard(model, get_wrapping_policy(), param_init_fn=" in fsdp2.read_text()
+    fsdp1 = tmp_path / "qlora_style_fsdp1.py"
+    resumed_fsdp1, resumed = _torchrun(
+        (fsdp1, "--steps", "2", "--resume", saved), (fsdp2, "--steps", "2", "--resume", saved)
+    )
+    _assert_close(resumed["loss"], resumed_fsdp1["loss"], BF16_RTOL)
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_accelerate_style_sharded_helpers_resume_from_fsdp1(tmp_path: Path) -> None:
+    """Accelerate's save_fsdp_model / save_fsdp_optimizer (SHARDED, DCP), and the resume through load_fsdp_model and
+    load_fsdp_optimizer (load_sharded_optimizer_state_dict, optim_state_dict_to_load with keywords)."""
+    args = ("--steps", "6", "--save-after", "2")
+    fsdp2, before = _compare("accelerate_style", tmp_path, *args, fsdp1_args=("--output", str(tmp_path / "fsdp1")),
+                             fsdp2_args=("--output", str(tmp_path / "fsdp2")))  # fmt: skip
+    assert "torch.distributed.checkpoint.load(optim_state, storage_reader=" in fsdp2.read_text()
+    resume = ("--steps", "6", "--output", tmp_path / "again", "--resume", tmp_path / "fsdp1", "--first-step", "3")
+    (after,) = _torchrun((fsdp2, *resume))
+    _assert_close(after["loss"], before["loss"][3:])
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_olmo_style_trainer_saves_and_restores_in_its_methods(tmp_path: Path) -> None:
+    """self._model under FULL blocks with keyword configs inside methods, a wrap policy returned by a method of the
+    model, SHARD_GRAD_OP; the FSDP2 trainer restores FSDP1's unsharded checkpoint."""
+    fsdp1_file, fsdp2_file = tmp_path / "fsdp1.pt", tmp_path / "fsdp2.pt"
+    saves = {"fsdp1_args": ("--save", str(fsdp1_file)), "fsdp2_args": ("--save", str(fsdp2_file))}
+    fsdp2, before = _compare("olmo_style", tmp_path, "--steps", "6", "--save-after", "2", **saves)  # type: ignore[arg-type]
+    assert "get_model_state_dict(self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))" in (
+        fsdp2.read_text()
+    )
+    (after,) = _torchrun((fsdp2, "--steps", "6", "--resume", fsdp1_file))
+    _assert_close(after["loss"], before["loss"][3:])
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_torchtune_style_builder_sets_the_type_for_its_caller(tmp_path: Path) -> None:
+    """FSDP(module=...) and set_state_dict_type inside the builder, the state-dict calls in the caller."""
+    fsdp1_file, fsdp2_file = tmp_path / "fsdp1.pt", tmp_path / "fsdp2.pt"
+    saves = {"fsdp1_args": ("--save", str(fsdp1_file)), "fsdp2_args": ("--save", str(fsdp2_file))}
+    fsdp2, before = _compare("torchtune_style", tmp_path, "--epochs", "4", "--save-epoch", "1", **saves)  # type: ignore[arg-type]
+    assert "the state-dict calls on what setup_model() returns take its options" in fsdp2.read_text()
+    (after,) = _torchrun((fsdp2, "--epochs", "4", "--resume", fsdp1_file))
+    _assert_close(after["loss"], before["loss"][6:])  # three steps an epoch
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_fastchat_style_save_model_under_a_type_is_refused_whole_and_reported(tmp_path: Path, capsys: Any) -> None:
+    """trainer.save_model() under FastChat's FULL block: the tool cannot see into it, so the block stays, and with it
+    the whole file (rewritten around it, the FSDP1 block would set nothing on the FSDP2 model and fail leaving it).
+    The report says so, exit 1, the file untouched, and a second run reproduces it exactly; the original runs."""
+    program = tmp_path / "fastchat_style_fsdp1.py"
+    source = (CORPUS / "fastchat_style.py").read_text()
+    program.write_text(source)
+    reports = []
+    for _ in range(2):
+        assert cli_main(["migrate", str(program), "--write"]) == 1
+        assert program.read_text() == source
+        reports.append(capsys.readouterr().err)
+    assert reports[0] == reports[1]
+    lines = [line.split(": ", 1)[1] for line in reports[0].splitlines()]
+    assert len(lines) == 3, reports[0]
+    assert lines[1].startswith("`with FSDP.state_dict_type(...)`: it stays: `trainer.save_model(...)` at line 62")
+    assert lines[2].startswith("FSDP1 state_dict_type blocks kept: the `FSDP.state_dict_type(...)` block at line 61")
+    (printed,) = _torchrun((program, "--steps", "4", "--output", tmp_path, "--save-after", "1"))
+    assert len(printed["loss"]) == 4 and len(printed["saved"]) == 1
+
+
 def test_the_rewrite_is_the_same_every_time() -> None:
     """The rewriter keys statements by id() while it transforms; ids of the nodes it frees were given to new ones, so a
     stale entry sometimes dropped an unrelated statement (a loop's `data = ...`, one run in ten). Every corpus program

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -271,3 +272,58 @@ def test_manual_wrapping_that_stays_fsdp1_keeps_its_file() -> None:
     result = migrate_source(source)
     assert result.migrated == source
     assert any(f.kind == "refused" and "at lines 7, 8, 9 stays FSDP1" in f.why for f in result.findings)
+
+
+# FastChat's trainer_save_model_safe: a FULL type around `trainer.save_model()`, which the tool cannot see into, so
+# the block stays; the rest of the file (the construction, a SHARDED helper) was rewritten around it.
+_SAVE_MODEL_SAFE = textwrap.dedent(
+    """
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, FullStateDictConfig, StateDictType
+
+
+    def trainer_save_model_safe(trainer):
+        save_policy = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with FSDP.state_dict_type(trainer.model, StateDictType.FULL_STATE_DICT, save_policy):
+            trainer.save_model()
+
+
+    def build():
+        model = FSDP(nn.Linear(4, 4))
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return model, model.state_dict()
+    """
+)
+
+
+def _fsdp1_block_on_fsdp2() -> tuple[list[str], str]:
+    """What FSDP1's FULL rank0_only block does on an FSDP2 model: the state dict's value types inside it, and the
+    error leaving it raises."""
+    import torch
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType, fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = fully_shard(torch.nn.Linear(4, 4))
+    types: list[str] = []
+    try:
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+            types = sorted({type(v).__name__ for v in model.state_dict().values()})
+    except Exception as e:
+        return types, type(e).__name__
+    return types, ""
+
+
+def test_a_state_dict_type_block_that_stays_keeps_its_file(ranks: Any) -> None:
+    """The block left FSDP1's around the model rewritten for FSDP2 does not fit it (the oracle, torch 2.13: torch's
+    FSDP1 block over a fully_shard model sets nothing, its state_dict() gives each rank's DTensor shards where FSDP1
+    gave rank 0 a full dict, and leaving the block fails with a KeyError), so the file stays as it is, as a whole,
+    with the block's finding and a refusal."""
+    assert ranks(_fsdp1_block_on_fsdp2, 2) == [(["DTensor"], "KeyError")] * 2
+    result = migrate_source(_SAVE_MODEL_SAFE)
+    assert result.migrated == _SAVE_MODEL_SAFE
+    assert [(f.line, f.kind) for f in result.findings if f.kind == "refused"] == [(8, "refused")]  # the block
+    assert any("it stays: `trainer.save_model(...)`" in f.why for f in result.findings)
+    # without the block it cannot map, the rest of the same file migrates
+    head, build = _SAVE_MODEL_SAFE.split("\n\ndef trainer_save_model_safe")[0], _SAVE_MODEL_SAFE.split("\n\n\n")[-1]
+    alone = migrate_source(head + "\n\n\n" + build)
+    assert alone.findings == [] and "fully_shard(model)" in alone.migrated

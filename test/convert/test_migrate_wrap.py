@@ -254,3 +254,47 @@ def test_hybrid_sharding_becomes_the_2d_mesh_of_its_groups(ranks: Any, keywords:
         fsdp1_units, fsdp2_units = seen["units"]
         assert len(fsdp1_units) > 1 and fsdp2_units == fsdp1_units
         assert seen["same"]
+
+
+# -- a policy built by a function of the file (fsdp_qlora's get_wrapping_policy, llama-recipes' fsdp_auto_wrap_policy)
+
+_FACTORY = """
+
+def get_wrapping_policy():
+    lambda_policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: getattr(m, 'out_features', 0) == 40)
+    transformer_wrap_policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=(Block,))
+    return functools.partial(_or_policy, policies=[lambda_policy, transformer_wrap_policy])
+"""
+
+
+def test_a_policy_built_by_a_function_of_the_file_goes_to_apply_fully_shard(ranks: Any) -> None:
+    """The policies the function composes were reported as left in place (exit 1) though apply_fully_shard evaluates
+    what it returns as FSDP1 does: the same units as torch's FSDP1, nothing reported."""
+    source = _MODEL.replace("POLICY", "get_wrapping_policy()").replace("\n\ndef build", _FACTORY + "\n\ndef build")
+    source = source.replace("transformer_auto_wrap_policy\n)", "transformer_auto_wrap_policy, _or_policy\n)")
+    result = migrate_source(source)
+    assert result.findings == [], [f.format("x.py") for f in result.findings]
+    assert "apply_fully_shard(model, get_wrapping_policy())" in result.migrated
+    again = migrate_source(result.migrated)  # a second run over the migrated file finds nothing either
+    assert (again.migrated, again.findings) == (result.migrated, [])
+    fsdp1, fsdp2 = ranks(_unit_names, 2, source, result.migrated)[0]
+    assert fsdp1 == ["", "0", "1", "2"] and fsdp2 == fsdp1
+    # the function used otherwise too (here: called a second time): what else its policies reach is not known
+    twice = source.replace("    return model\n", "    print(get_wrapping_policy())\n    return model\n")
+    left = {f.what for f in migrate_source(twice).findings}
+    assert left == {
+        "FSDP1 API `lambda_auto_wrap_policy` left in place",
+        "FSDP1 API `transformer_auto_wrap_policy` left in place",
+    }
+
+
+def test_the_module_passed_by_keyword_migrates_as_by_position(ranks: Any) -> None:
+    """torchtune's recipes write `FSDP(module=model, ...)`: it was left FSDP1 ("without the module as first
+    argument"), keeping the whole file; it is the same construction, and the same units as torch's FSDP1."""
+    positional = _MODEL.replace("POLICY", "ModuleWrapPolicy({Block})")
+    keyword = positional.replace("FSDP(model, ", "FSDP(module=model, ")
+    assert keyword != positional
+    result = migrate_source(keyword)
+    assert result.findings == [] and result.migrated == migrate_source(positional).migrated
+    fsdp1, fsdp2 = ranks(_unit_names, 2, keyword, result.migrated)[0]
+    assert fsdp1 == ["", "0", "1"] and fsdp2 == fsdp1
