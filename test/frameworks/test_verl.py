@@ -205,29 +205,47 @@ def test_verl_stages_agree_among_themselves(verl_runs: tuple) -> None:
                 _consistent(name, result, out, rank)
 
 
+# HSDP's gradient norm is taken over whole gradients (shard groups of one rank), the FULL_SHARD twin's over two halves
+# combined across the ranks: the same value summed in another order, so from the first clipping on the two runs differ
+# in fp32's last bits (measured: up to 1.3e-7 of a tensor's largest value over the 5 steps, on an AMD EPYC; equal on the machine where the
+# test was written). torch's FSDP1 here trains each replica on its own data: its ranks' norms differ by about half.
+HSDP_RTOL = 1e-6
+
+
 def test_verl_hybrid_shard_trains_as_full_shard_where_torch_fsdp1_trains_replicas_apart(verl_runs: tuple) -> None:
     """verl's fsdp_size=1 on 2 ranks: a (2, 1) mesh, HYBRID_SHARD with shard groups of one rank. torch's FSDP1 clamps
     each unit to NO_SHARD over its one-rank shard group ("switching to use NO_SHARD ... since the world size is 1")
     and so never reduces gradients across the replicas: each rank trains on its own data alone, silently. Ours
-    replicates over the replicate group, so the run equals the FULL_SHARD run of the same data, which equals torch's
-    FSDP1's: every figure, log-probability, full weight, weight sync and resumed step, bit for bit."""
+    replicates over the replicate group, so the run is the FULL_SHARD run of the same data, which equals torch's
+    FSDP1's: bit for bit until the first gradient norm (the first step's losses and figures), then every figure,
+    log-probability, full weight, weight sync and resumed step within fp32's rounding of the norm's order."""
     ours, theirs, our_dir, their_dir = verl_runs
     assert ours[HYBRID]["config"]["fsdp_size"] == 1 and ours[FULL_SHARD_TWIN]["config"]["fsdp_size"] == 2
     assert {k: v for k, v in ours[HYBRID]["config"].items() if k not in ("name", "fsdp_size")} == {
         k: v for k, v in ours[FULL_SHARD_TWIN]["config"].items() if k not in ("name", "fsdp_size")
     }
-    compared = 0
+    compared = exact = 0
     for rank in range(RANKS):
         mine, expected = _stages(our_dir, HYBRID, rank), _stages(their_dir, FULL_SHARD_TWIN, rank)
         for key, value in mine.items():
-            if key.split("/")[0] in ("train", "infer", "saved", "sync", "final", "resumed"):
-                _bitwise(value, expected[key], f"{HYBRID} vs torch's {FULL_SHARD_TWIN}, rank {rank}: {key}")
-                compared += 1
-    assert compared > 200
+            if key.split("/")[0] not in ("train", "infer", "saved", "sync", "final", "resumed"):
+                continue
+            what = f"{HYBRID} vs torch's {FULL_SHARD_TWIN}, rank {rank}: {key}"
+            if key.startswith(("infer/step0/", "train/step0/")) and not key.endswith("grad_norm"):
+                _bitwise(value, expected[key], what)  # before any clipping: the same gradients, summed alike
+                exact += 1
+            else:
+                assert value.dtype == expected[key].dtype and value.shape == expected[key].shape, what
+                scale = expected[key].abs().max().item() if expected[key].numel() else 0.0
+                off = (value - expected[key]).abs().max().item() if value.numel() else 0.0
+                assert off <= HSDP_RTOL * scale, f"{what}: off by {off}, {off / scale:.2e} of its largest value"
+            compared += 1
+    assert compared > 200 and exact >= 2 * RANKS, (compared, exact)
 
     def norms(out: Path, rank: int) -> list[float]:
         found = _stages(out, HYBRID, rank)
         return [found[f"train/step{step}/grad_norm"].item() for step in range(5)]
 
     assert norms(our_dir, 0) == norms(our_dir, 1)
-    assert norms(their_dir, 0) != norms(their_dir, 1), "torch's FSDP1 reduces across the replicas now"
+    apart = max(abs(a - b) / b for a, b in zip(norms(their_dir, 0), norms(their_dir, 1)))
+    assert apart > 1000 * HSDP_RTOL, f"torch's FSDP1 reduces across the replicas now ({apart})"
