@@ -8,7 +8,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from torch import nn
 
 from ..api import CPUOffload, MixedPrecision, ShardingStrategy
 from ..memory import Category, MemoryProfile, Phase, estimate_memory
+from ..memory.repeated import SAMPLES, estimate_memory_repeated
 from ..memory.table import markdown, unit_for
 from ..wrap import ModuleWrapPolicy
 from .common import EXIT_CODES, EXIT_OK, UsageError, import_name, module_class, progress
@@ -33,7 +34,9 @@ forward, backward, the optimizer step and the rest (construction included) at ea
 
 Nothing is allocated and no ranks are started: the model is built on fake tensors and trained for --steps steps on a
 fake process group of each world size (fsdp_legacy.memory.estimate_memory), with the same code as a real run. A 6.6 B
-GPT on 64 ranks takes seconds; estimates are within 10% of measured peaks (docs/memory.md).
+GPT on 64 ranks takes seconds; estimates are within 10% of measured peaks (docs/memory.md). A built-in model of more
+than 12 identical layers is traced at 3, 4 and 5 layers and extrapolated, checked to be exact, to the same figures
+as the full trace (--full-trace traces every layer; fsdp_legacy/memory/repeated.py).
 
 --model picks a built-in GPT; --module pkg.mod:factory names a function returning your plain model (the current
 directory is importable), whose forward takes a (batch, seq) tensor of token ids (--vocab-size values) and returns
@@ -107,6 +110,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=2, help="training steps per estimate (2: with optimizer state)")
     p.add_argument("--details", action="store_true", help="also print each estimate's per-category tables")
+    p.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="trace every layer, not 3, 4 and 5 of them extrapolated exactly (the same figures; slower)",
+    )
     p.add_argument("--plot", help="PNG file for the peaks per world size (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the wrap plan and peaks (bytes) as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -147,6 +155,8 @@ class Workload:
     unit: type[nn.Module]
     vocab_size: int
     batch: tuple[int, int]
+    layers: Callable[[int], nn.Module] | None = None  # the model with its first n layers, for a built-in model
+    num_layers: int = 0
 
 
 def workload(args: argparse.Namespace) -> Workload:
@@ -169,23 +179,30 @@ def workload(args: argparse.Namespace) -> Workload:
         except ValueError as error:
             raise UsageError(str(error)) from None
         unit = module_class(args.wrap) if args.wrap else DecoderLayer
-        return Workload(args.model, lambda: Llama(llama), unit, llama.vocab_size, args.batch or (1, 2048))
+        batch = args.batch or (1, 2048)
+
+        def llama_layers(n: int) -> nn.Module:
+            return Llama(llama.with_layers(n))
+
+        return Workload(args.model, lambda: Llama(llama), unit, llama.vocab_size, batch, llama_layers, llama.num_layers)
     config, batch = CONFIGS[args.model]
     batch = args.batch or batch
     if batch[1] > config.block_size:
         raise UsageError(f"--batch {batch[0]}x{batch[1]}: {args.model} takes sequences of at most {config.block_size}.")
     unit = module_class(args.wrap) if args.wrap else Block
-    return Workload(args.model, lambda: GPT(config), unit, config.vocab_size, batch)
+
+    def gpt_layers(n: int) -> nn.Module:
+        return GPT(replace(config, n_layer=n))
+
+    return Workload(args.model, lambda: GPT(config), unit, config.vocab_size, batch, gpt_layers, config.n_layer)
 
 
 def with_training_setup(args: argparse.Namespace, work: Workload) -> Workload:
     """`work` with LoRA or QLoRA and activation checkpointing applied to its model as it is built."""
     if not (args.lora or args.qlora or args.activation_checkpointing):
         return work
-    plain = work.build
 
-    def build() -> nn.Module:
-        model = plain()
+    def set_up(model: nn.Module) -> nn.Module:
         if args.qlora:
             to_qlora(model, rank=args.lora_rank)
         elif args.lora:
@@ -196,7 +213,9 @@ def with_training_setup(args: argparse.Namespace, work: Workload) -> Workload:
             apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, work.unit))
         return model
 
-    return Workload(work.name, build, work.unit, work.vocab_size, work.batch)
+    plain, plain_layers = work.build, work.layers
+    layers = None if plain_layers is None else lambda n: set_up(plain_layers(n))
+    return replace(work, build=lambda: set_up(plain()), layers=layers)
 
 
 def loss_fn(work: Workload) -> Callable[[nn.Module, int], torch.Tensor]:
@@ -233,10 +252,15 @@ def uses_orig_params(args: argparse.Namespace) -> bool:
     return bool(args.use_orig_params or args.qlora or args.lora)
 
 
-def wrap_plan(work: Workload) -> dict[str, Any]:
-    """Units and their parameter counts, from a meta-device model (no memory)."""
+def meta_model(work: Workload) -> nn.Module:
+    """The model on the meta device (no memory): for the wrap plan, and to compare its layers."""
     with torch.device("meta"):
-        model = work.build()
+        return work.build()
+
+
+def wrap_plan(work: Workload, model: nn.Module | None = None) -> dict[str, Any]:
+    """Units and their parameter counts, from a meta-device model (no memory)."""
+    model = model if model is not None else meta_model(work)
     units = [(name, m) for name, m in model.named_modules() if isinstance(m, work.unit)]
     inside = {id(p) for _, m in units for p in m.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
@@ -341,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
     if args.lora and args.qlora:
         raise UsageError("--lora and --qlora: choose one (--qlora is LoRA on 4-bit base weights).")
     work = with_training_setup(args, workload(args))
-    plan = wrap_plan(work)
+    meta = meta_model(work)
+    plan = wrap_plan(work, meta)
     extras = [
         name
         for name, on in (
@@ -369,15 +394,7 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         with warnings.catch_warnings():  # e.g. FSDP's "switching to NO_SHARD" at world size 1
             warnings.simplefilter("ignore")
-            profiles[ws] = estimate_memory(
-                work.build,
-                loss_fn(work),
-                ws,
-                fsdp_kwargs(args, work),
-                OPTIMIZERS[args.optimizer],
-                args.steps,
-                hybrid_shape=hybrid_shape(args, ws),
-            )
+            profiles[ws] = estimate(args, work, ws, meta)
         seconds[ws] = time.perf_counter() - start
     if args.json:
         print(json.dumps(_as_json(args, work, plan, profiles, seconds), indent=2))
@@ -388,12 +405,31 @@ def run(args: argparse.Namespace) -> int:
         for ws, profile in profiles.items():
             print(f"world size {ws}\n\n{profile.table()}\n")
     print(report(profiles, seconds))
+    if any(p.method != "traced" for p in profiles.values()):
+        print("\nHow: " + "; ".join(f"world size {ws}: {p.method}" for ws, p in profiles.items()))
     if args.offload:
         print("\n" + offload_report(profiles))
     if args.plot:
         plot(profiles, Path(args.plot), f"{work.name}: {setup}")
         print(f"\nwrote {args.plot}")
     return EXIT_OK
+
+
+def estimate(args: argparse.Namespace, work: Workload, world_size: int, meta: nn.Module | None = None) -> MemoryProfile:
+    """The estimate at `world_size`: a built-in model with more layers than the samples together is traced at 3, 4
+    and 5 layers and extrapolated, exactly (fsdp_legacy/memory/repeated.py), unless --full-trace. `meta`: the
+    model on the meta device, if at hand."""
+    common: dict[str, Any] = dict(
+        loss_fn=loss_fn(work),
+        world_size=world_size,
+        fsdp_kwargs=fsdp_kwargs(args, work),
+        optimizer_fn=OPTIMIZERS[args.optimizer],
+        steps=args.steps,
+        hybrid_shape=hybrid_shape(args, world_size),
+    )
+    if work.layers is not None and not args.full_trace and work.num_layers > sum(SAMPLES):
+        return estimate_memory_repeated(work.layers, work.num_layers, work.unit, **common, full_model=meta)
+    return estimate_memory(work.build, **common)
 
 
 def _as_json(
@@ -429,6 +465,7 @@ def _as_json(
                     else {}
                 ),
                 "seconds": round(seconds[ws], 3),
+                "method": profile.method,
             }
             for ws, profile in profiles.items()
         ],

@@ -36,6 +36,10 @@ class PackedWeight(nn.Parameter):
 def quantize(weight: torch.Tensor, group_size: int) -> tuple[PackedWeight, torch.Tensor]:
     """(packed codes, per-group scales) of a float weight: symmetric 4-bit, absmax per group of `group_size`."""
     rows, cols = weight.shape
+    if weight.device.type == "meta":  # shapes only (mem-report's wrap plan): the same tensors without the arithmetic
+        packed = PackedWeight(torch.empty(rows, cols // 2, dtype=torch.uint8, device="meta"), requires_grad=False)
+        packed.quant_state = QuantState((rows, cols), group_size)
+        return packed, torch.empty(rows, cols // group_size, dtype=weight.dtype, device="meta")
     groups = weight.reshape(rows, cols // group_size, group_size)
     scales = groups.abs().amax(-1).clamp_min(1e-6) / 7
     codes = (groups / scales[..., None]).round().clamp(-8, 7).to(torch.int16) + 8  # 0..15

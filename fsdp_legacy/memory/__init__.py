@@ -12,7 +12,17 @@ that runs the same tracker under FakeTensorMode with a fake process group to pre
 from .categories import Category, Phase
 from .estimator import estimate_memory
 from .profile import MemoryProfile
+from .repeated import estimate_memory_repeated
 from .tracker import MemoryTracker, Snapshot
 from .training import profile_training
 
-__all__ = ["Category", "MemoryProfile", "MemoryTracker", "Phase", "Snapshot", "estimate_memory", "profile_training"]
+__all__ = [
+    "Category",
+    "MemoryProfile",
+    "MemoryTracker",
+    "Phase",
+    "Snapshot",
+    "estimate_memory",
+    "estimate_memory_repeated",
+    "profile_training",
+]

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .fake_world import fake_process_group
 from .profile import MemoryProfile
-from .training import LossFn, OptimizerFn, profile_training, sgd
+from .training import Instrument, LossFn, OptimizerFn, profile_training, sgd
 
 
 def estimate_memory(
@@ -29,6 +29,7 @@ def estimate_memory(
     rank: int = 0,
     mesh_shape: tuple[int, int] | None = None,
     hybrid_shape: tuple[int, int] | None = None,
+    instrument: Instrument | None = None,
 ) -> MemoryProfile:
     """Predict rank `rank`'s peak memory per phase when `build()`'s model is trained with FSDP(**fsdp_kwargs) on
     `world_size` ranks, `loss_fn(model, step)` making each step's batch and loss. Nothing real is allocated: a 7B
@@ -40,6 +41,8 @@ def estimate_memory(
     Hybrid sharding: with `hybrid_shape=(replicas, shard)` a ("replicate", "shard") mesh is made over the fake world and
     FSDP gets it as device_mesh (pass sharding_strategy=HYBRID_SHARD or _HYBRID_SHARD_ZERO2 in fsdp_kwargs), as a
     job builds it with init_device_mesh.
+
+    `instrument` is profile_training's (segment marks, for memory/repeated.py).
     """
     if mesh_shape is not None and (len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] != world_size):
         raise ValueError(f"mesh_shape={mesh_shape} must be (dp, tp) with dp * tp = world_size = {world_size}.")
@@ -58,4 +61,4 @@ def estimate_memory(
         if hybrid_shape is not None:
             kwargs["device_mesh"] = init_device_mesh("cpu", hybrid_shape, mesh_dim_names=("replicate", "shard"))
         with FakeTensorMode():
-            return profile_training(build(*args), loss_fn, kwargs, optimizer_fn, steps)
+            return profile_training(build(*args), loss_fn, kwargs, optimizer_fn, steps, instrument)

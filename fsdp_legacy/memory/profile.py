@@ -1,6 +1,7 @@
 """MemoryProfile: one rank's peaks per phase as plain data (picklable, so ranks can send it)."""
 
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 from .categories import Category, Phase
 from .table import Breakdown, by_category, module_table, phase_table
@@ -13,6 +14,10 @@ class MemoryProfile:
     peaks: dict[Phase, Breakdown]
     units: tuple[str, ...] = ()  # FQNs of the FSDP units, for the per-unit table
     device: str = "cpu"
+    # With MemoryTracker(segments=True): the peak of each segment, (phase entry number, phase, label) -> bytes by
+    # (module FQN, category), in the order the segments began (memory/repeated.py extrapolates them).
+    segments: dict[tuple[int, Phase, Hashable], Breakdown] = field(default_factory=dict)
+    method: str = "traced"  # how the peaks were found: "traced", or "extrapolated from ..." (memory/repeated.py)
 
     def peak(self, phase: Phase | None = None) -> int:
         """The peak of `phase`, or of all phases."""

@@ -14,6 +14,7 @@ rounding or caching, and not storages that no op touches while it is active and 
 
 import weakref
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -30,6 +31,7 @@ from .categories import Category, Phase, grad_hooks, module_names, roles, units_
 from .profile import MemoryProfile
 
 Key = tuple[str, Category]  # (module FQN, category)
+Segment = tuple[int, Phase, Hashable]  # (phase entry number, phase, the label `mark` set last)
 
 
 @dataclass
@@ -77,7 +79,7 @@ class MemoryTracker(TorchDispatchMode):
     while the tracker is active marks the optimizer phase and owns its state; backward is what autograd runs.
     """
 
-    def __init__(self, model: nn.Module | None = None) -> None:
+    def __init__(self, model: nn.Module | None = None, segments: bool = False) -> None:
         super().__init__()
         self._model: weakref.ref | None = None  # weak: `del model` inside the tracker frees it
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
@@ -85,9 +87,15 @@ class MemoryTracker(TorchDispatchMode):
         self.peaks: dict[Phase, dict[str, Snapshot]] = {phase: {} for phase in Phase}
         self.cuda_peaks: dict[Phase, int] = {}  # torch.cuda.max_memory_allocated per phase, on CUDA
         self._storages: dict[int, _Storage] = {}  # id(storage) -> record
-        # A new peak's storages are listed only when memory first drops after it (or when read): one listing per
-        # local maximum rather than one per allocation.
-        self._unlisted: dict[str, Phase] = {}  # device -> phase whose peak snapshot lacks its entries
+        # With `segments`, a peak per stretch of a phase between two `mark`s too (segment -> device -> snapshot), in
+        # the order the segments began: what the estimator of repeated layers extrapolates (memory/repeated.py).
+        self.segment_peaks: dict[Segment, dict[str, Snapshot]] | None = {} if segments else None
+        self._entries = 0  # phases entered so far
+        self._segment_label: Hashable = None
+        # A new peak's storages are listed only when memory first drops after it (or when read, or a phase or segment
+        # ends): one listing per local maximum rather than one per allocation. All of a device's unlisted peaks are
+        # of this moment: memory has not dropped since, and a rise is a new peak of the current phase and segment.
+        self._unlisted: dict[str, list[dict[str, Snapshot]]] = {}  # device -> peak tables lacking its entries
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> FQN
         self._module_stack: list[str] = []
         self._forward_depth = 0
@@ -143,9 +151,19 @@ class MemoryTracker(TorchDispatchMode):
         self._unlisted.clear()
         phase = self._phase_now()
         self.peaks = {p: {} for p in Phase}
+        if self.segment_peaks is not None:
+            self.segment_peaks = {self._segment(): {}}
         for device in self.live:
             self.peaks[phase][device] = self._snapshot_of(device)
+            if self.segment_peaks is not None:
+                self.segment_peaks[self._segment()][device] = self.peaks[phase][device]
         self.cuda_peaks.clear()
+
+    def mark(self, label: Hashable) -> None:
+        """Begin a new segment of the current phase, named `label` (with `segments`): e.g. "layer 3's forward"."""
+        self._phase_now()
+        self._segment_label = label
+        self._begin_segment()
 
     def relabel(self) -> None:
         """Re-read the roles of known storages from the model, the FSDP units and the optimizers."""
@@ -166,7 +184,12 @@ class MemoryTracker(TorchDispatchMode):
         device = device or max(self.live, key=lambda d: self.live[d], default="cpu")
         self.relabel()
         peaks = {p: self.peak_snapshot(p, device).bytes for p in Phase if device in self.peaks[p]}
-        return MemoryProfile(peaks, tuple(self.units()), device)
+        segments = {
+            segment: snapshots[device].bytes
+            for segment, snapshots in (self.segment_peaks or {}).items()
+            if device in snapshots
+        }
+        return MemoryProfile(peaks, tuple(self.units()), device, segments)
 
     def table(self, top_modules: int = 12) -> str:
         """Peaks per phase by category, and per FSDP unit (or module) at the overall peak, of the busiest device."""
@@ -224,16 +247,23 @@ class MemoryTracker(TorchDispatchMode):
 
     def _check_peak(self, device: str, phase: Phase | None = None) -> None:
         phase = phase or self._phase_now()
-        if self._unlisted.get(device, phase) != phase:
-            self._list_peak(device)
-        best = self.peaks[phase].get(device)
-        if best is None or self.live[device] > best.total:
-            self.peaks[phase][device] = Snapshot(self.live[device])
-            self._unlisted[device] = phase
+        live = self.live[device]
+        tables = [self.peaks[phase]]
+        if self.segment_peaks is not None:
+            tables.append(self.segment_peaks.setdefault(self._segment(), {}))
+        for table in tables:
+            best = table.get(device)
+            if best is None or live > best.total:
+                table[device] = Snapshot(live)
+                unlisted = self._unlisted.setdefault(device, [])
+                if not any(t is table for t in unlisted):
+                    unlisted.append(table)
 
     def _list_peak(self, device: str) -> None:
-        """Memory is about to drop (or be read): what is live now is the unlisted peak."""
-        self.peaks[self._unlisted.pop(device)][device] = self._snapshot_of(device)
+        """Memory is about to drop (or be read, or a phase or segment ends): what is live now is the unlisted peak."""
+        snapshot = self._snapshot_of(device)
+        for table in self._unlisted.pop(device):
+            table[device] = snapshot
 
     def _list_peaks(self) -> None:
         for device in list(self._unlisted):
@@ -263,11 +293,22 @@ class MemoryTracker(TorchDispatchMode):
             torch.cuda.reset_peak_memory_stats()
         if phase == Phase.BACKWARD:  # ends the forward whose activations it consumes
             Variable._execution_engine.queue_callback(self._end_forward)
+        self._list_peaks()  # the peaks of the phase that ends
         self._current = phase
+        self._entries += 1
         if phase != Phase.FORWARD:
             self._module_stack.clear()
-        for device in list(self.live):  # a phase's peak is at least what was live when it began
-            self._check_peak(device, phase)
+        self._begin_segment()
+
+    def _segment(self) -> Segment:
+        return (self._entries, self._current, self._segment_label)
+
+    def _begin_segment(self) -> None:
+        self._list_peaks()
+        if self.segment_peaks is not None:
+            self.segment_peaks.setdefault(self._segment(), {})
+        for device in list(self.live):  # a phase's (a segment's) peak is at least what was live when it began
+            self._check_peak(device, self._current)
 
     def _end_forward(self) -> None:
         if self._phase == Phase.FORWARD:
