@@ -96,7 +96,7 @@ class Runtime:
                     self._prefetch(following, backward=False)
             for handle in unit._handles:
                 handle.wait_unshard()
-                handle.use_unsharded_views()
+                handle._use_unsharded_views(as_params=False)  # (through the class: see the handle)
             if not rerun_in_backward:  # (the original forward's hook covers an activation-checkpointed re-run)
                 self._register_frozen_reshard(unit, args, kwargs)
         return args, kwargs
@@ -237,6 +237,8 @@ class Runtime:
         handles = [handle for handle in unit._handles if handle.needs_pre_backward or _backward_again(handle, task)]
         if not handles:
             return
+        # (torch shows use_orig_params views through `_use_unsharded_views` in backward unless forward left them shown)
+        views_through_torch_name = {h: h.use_orig_params and not h._skipped_use_sharded_views for h in handles}
         for handle in handles:
             handle.needs_pre_backward = False
             handle.backward_task = task
@@ -252,7 +254,10 @@ class Runtime:
             # forward. Otherwise a reentrant re-run gives the parameters no gradient, and a non-reentrant one saves
             # fewer tensors than the forward did and raises.
             with torch.enable_grad():
-                handle.use_unsharded_views()
+                if views_through_torch_name[handle]:
+                    handle._use_unsharded_views(as_params=False)
+                else:
+                    handle.use_unsharded_views()
 
     def post_backward(self, unit: FSDPUnit, handle: FlatParamHandle) -> None:
         """Runs once this backward's gradient has accumulated into one of the unit's unsharded flat parameters."""
