@@ -207,8 +207,9 @@ def test_verl_stages_agree_among_themselves(verl_runs: tuple) -> None:
 
 # HSDP's gradient norm is taken over whole gradients (shard groups of one rank), the FULL_SHARD twin's over two halves
 # combined across the ranks: the same value summed in another order, so from the first clipping on the two runs differ
-# in fp32's last bits (measured: up to 1.3e-7 of a tensor's largest value over the 5 steps, on an AMD EPYC; equal on the machine where the
-# test was written). torch's FSDP1 here trains each replica on its own data: its ranks' norms differ by about half.
+# in fp32's last bits (measured: up to 1.3e-7 of a tensor's largest value over the 5 steps, on an AMD EPYC; equal on
+# the machine where the test was written). torch's FSDP1 here trains each replica on its own data: its ranks' norms
+# differ by about half.
 HSDP_RTOL = 1e-6
 
 
@@ -247,5 +248,5 @@ def test_verl_hybrid_shard_trains_as_full_shard_where_torch_fsdp1_trains_replica
         return [found[f"train/step{step}/grad_norm"].item() for step in range(5)]
 
     assert norms(our_dir, 0) == norms(our_dir, 1)
-    apart = max(abs(a - b) / b for a, b in zip(norms(their_dir, 0), norms(their_dir, 1)))
+    apart = max(abs(a - b) / b for a, b in zip(norms(their_dir, 0), norms(their_dir, 1), strict=True))
     assert apart > 1000 * HSDP_RTOL, f"torch's FSDP1 reduces across the replicas now ({apart})"
