@@ -127,7 +127,8 @@ def _offload(offload: Any) -> dict[str, Any]:
         return {"offload_policy": offload}
     if type(offload).__name__ != "CPUOffload" or not hasattr(offload, "offload_params"):
         raise ValueError(f"cpu_offload={offload!r} is neither FSDP1's CPUOffload nor FSDP2's OffloadPolicy; pass one")
-    return {"offload_policy": CPUOffloadPolicy()} if offload.offload_params else {}
+    # pinned where there is an accelerator (pinning needs one; torch's FSDP1 always pins, and fails without one)
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload.offload_params else {}
 
 
 def fsdp1_options(
@@ -165,7 +166,10 @@ def hybrid_mesh(process_group: tuple[dist.ProcessGroup, dist.ProcessGroup]) -> D
     groups takes part, as in FSDP1): a rank's row is its intra group, and each member of its inter group brings
     another row; the row's ranks are put in the order of their inter groups (columns)."""
     if not (isinstance(process_group, (tuple, list)) and len(process_group) == 2):
-        raise ValueError(f"expected (intra_node_group, inter_node_group), got {type(process_group).__name__}")
+        raise ValueError(
+            f"HYBRID_SHARD's process_group must be the pair (intra_node_group, inter_node_group), got "
+            f"{type(process_group).__name__}: pass the pair, or device_mesh= a 2-D (replicate, shard) mesh"
+        )
     intra, inter = process_group
     mine = (tuple(dist.get_process_group_ranks(intra)), tuple(dist.get_process_group_ranks(inter)))
     columns: list[Any] = [None] * dist.get_world_size(intra)  # the inter group of each member of my intra group
