@@ -52,6 +52,7 @@ class Construction:
     notes: list[str] = field(default_factory=list)  # comments to put above the statements
     problems: list[Problem] = field(default_factory=list)
     materializes: bool = False  # sharded through apply_fully_shard, which may initialize meta modules
+    at_run_time: frozenset[str] = frozenset()  # FSDP1 keywords whose values fsdp1_options reads at run time
 
 
 @dataclass
@@ -65,6 +66,9 @@ class _Parts:
     ignored_params: str | None = None  # ignored_states' parameters, as code
     param_init_fn: str | None = None
     sync: bool = False  # sync_module_states=True
+    sync_code: str | None = None  # sync_module_states computed at run time, handed to apply_fully_shard
+    # FSDP1 keyword -> value code, for values only known at run time: fsdp1_options (keywords_runtime.py) maps them
+    at_run_time: dict[str, str] = field(default_factory=dict)
 
 
 def _literal_bool(node: cst.BaseExpression) -> bool | None:
@@ -126,6 +130,7 @@ def build(
     if out.problems:
         return out
     shard = _units(model, keywords.policy, code, fsdp1, resolve, parts, out, meta)
+    out.at_run_time = frozenset(parts.at_run_time)
     if parts.buffer_dtype is not None:
         parts.post.append(
             f"for buffer in {model}.buffers():  # FSDP1's buffer_dtype: FSDP2 leaves buffers as they are\n"
@@ -134,8 +139,10 @@ def build(
         )
     out.notes = [f"{NOTE} FSDP(...) became fully_shard (FSDP2)"] + [f"{NOTE} {n}" for n in parts.notes]
     text = list(parts.pre)
-    if parts.kwargs:
-        text.append("fsdp_kwargs = {" + ", ".join(f'"{k}": {v}' for k, v in parts.kwargs.items()) + "}")
+    if list(parts.kwargs) == [_AT_RUN_TIME]:
+        text.append(f"fsdp_kwargs = {parts.kwargs[_AT_RUN_TIME]}")
+    elif parts.kwargs:
+        text.append("fsdp_kwargs = {" + ", ".join(_entries(parts)) + "}")
     text += shard + parts.post
     if target != model:
         text.append(f"{target} = {model}")
@@ -143,6 +150,17 @@ def build(
         out.imports.append((FSDP2, "fully_shard"))
     out.statements = list(cst.parse_module("\n".join(text) + "\n").body)
     return out
+
+
+def _entries(parts: _Parts) -> list[str]:
+    """fsdp_kwargs' entries: the keywords read from the text, then fsdp1_options(...) over those known at run time."""
+    entries = [f'"{k}": {v}' for k, v in parts.kwargs.items() if k != _AT_RUN_TIME]
+    if parts.at_run_time:
+        entries.append(f"**{parts.kwargs[_AT_RUN_TIME]}")
+    return entries
+
+
+_AT_RUN_TIME = "**"  # parts.kwargs' key for the fsdp1_options(...) call
 
 
 @dataclass
@@ -179,22 +197,29 @@ def _read(
         name, value = arg.keyword.value, arg.value
         if name == "auto_wrap_policy":
             found.policy = None if isinstance(value, cst.Name) and value.value == "None" else value
-        elif name == "sharding_strategy":
+        elif name == "sharding_strategy" and not (isinstance(value, cst.Name) and value.value == "None"):
             found.strategy = fsdp1(value)
             if found.strategy is None or not found.strategy.startswith("ShardingStrategy."):
-                out.problems.append(Problem(arg, "a sharding_strategy computed at run time", *_UNMAPPED))
+                found.strategy = None  # a strategy computed at run time: fsdp1_options decides (with the mesh)
+                parts.at_run_time[name] = code(value)
         elif name == "device_mesh":
             found.mesh = code(value)
         elif name == "process_group":
             found.group = arg
         elif name == "mixed_precision" and isinstance(value, cst.Name) and value.value in (imported or {}):
-            _imported_precision(value.value, (imported or {})[value.value], parts, out, arg)
+            policy = (imported or {})[value.value]
+            if policy.kept is not None and not policy.refused:  # FSDP1's policy, which fsdp1_options reads
+                parts.at_run_time[name] = code(value)
+            else:
+                _imported_precision(value.value, policy, parts, out, arg)
         elif name == "mixed_precision":
             _mixed_precision(resolve(value), value, code, fsdp1, parts, out)
         elif name == "cpu_offload":
             _cpu_offload(resolve(value), value, code, fsdp1, parts, out)
         elif name == "sync_module_states" and _literal_bool(value) is not None:
             parts.sync = bool(_literal_bool(value))
+        elif name == "sync_module_states":
+            parts.sync_code = code(value)
         elif name == "ignored_modules":
             parts.ignored = code(value)
         elif name == "ignored_states":  # FSDP1 takes modules or parameters there; which, is known at run time
@@ -217,6 +242,13 @@ def _placement(found: _Keywords, code: Code, parts: _Parts, out: Construction, m
     (and reshard_after_forward), built by statements named `mesh_name` where one is needed."""
     strategy, mesh = found.strategy, found.mesh
     kind = (strategy or "ShardingStrategy.FULL_SHARD").split(".", 1)[-1]
+    if "sharding_strategy" in parts.at_run_time:  # the strategy decides the mesh: both at run time
+        if found.group is not None:
+            parts.at_run_time["process_group"] = code(found.group.value)
+        if mesh is not None:
+            parts.at_run_time["device_mesh"] = mesh
+        _run_time(parts, out)
+        return
     if found.group is not None:
         group = code(found.group.value)
         if kind in ("FULL_SHARD", "SHARD_GRAD_OP") and mesh is None:  # the ranks it shards over, as a 1-D mesh
@@ -236,6 +268,19 @@ def _placement(found: _Keywords, code: Code, parts: _Parts, out: Construction, m
             return
         mesh = mesh_name
     _strategy(strategy, mesh, parts, out, mesh_name)
+    if parts.at_run_time:
+        _run_time(parts, out)
+
+
+def _run_time(parts: _Parts, out: Construction) -> None:
+    """The keywords known only at run time as one fsdp1_options(...) call, spread into fsdp_kwargs."""
+    given = ", ".join(f"{k}={v}" for k, v in parts.at_run_time.items())
+    parts.kwargs[_AT_RUN_TIME] = f"fsdp1_options({given})"
+    parts.notes.append(
+        f"{', '.join(parts.at_run_time)} known only at run time: fsdp1_options maps the values as FSDP1 applied them "
+        "(and raises for one FSDP2 cannot be given)"
+    )
+    out.imports.append((RUNTIME, "fsdp1_options"))
 
 
 @dataclass
@@ -261,6 +306,7 @@ def unit_keywords(args: Sequence[cst.Arg], code: Code, fsdp1: Fsdp1, resolve: Re
         "param_init_fn": parts.param_init_fn is not None,
         "sync_module_states=True": parts.sync,
         "MixedPrecision(buffer_dtype=...)": parts.buffer_dtype is not None,
+        "a keyword known only at run time": bool(parts.at_run_time) or parts.sync_code is not None,
     }
     for name in (name for name, present in around.items() if present):
         why = "it needs statements around the module, which a wrap() call inside an expression cannot have"
@@ -307,7 +353,7 @@ def _mixed_precision(
     if isinstance(value, cst.Name) and value.value == "None":
         return
     if not (isinstance(value, cst.Call) and fsdp1(value.func) == "MixedPrecision"):
-        out.problems.append(Problem(written, "a mixed_precision this tool cannot read", *_UNMAPPED))
+        parts.at_run_time["mixed_precision"] = code(written)  # a policy known at run time: fsdp1_options reads it
         return
     policy, buffer_dtype, refused = mixed_precision_policy(value, code)
     if refused:
@@ -333,7 +379,7 @@ def _cpu_offload(
                 parts.kwargs["offload_policy"] = "CPUOffloadPolicy()"
                 out.imports.append((FSDP2, "CPUOffloadPolicy"))
             return
-    out.problems.append(Problem(written, "a cpu_offload this tool cannot read", *_UNMAPPED))
+    parts.at_run_time["cpu_offload"] = code(written)  # known at run time (`CPUOffload(offload_params=cfg.offload)`)
 
 
 def _strategy(strategy: str | None, mesh: str | None, parts: _Parts, out: Construction, mesh_name: str) -> None:
@@ -369,7 +415,8 @@ def _units(
 ) -> list[str]:
     """The fully_shard calls: over the policy's classes, through apply_fully_shard, or the root alone."""
     classes = None if policy is None else _policy_classes(resolve(policy), code, fsdp1)
-    if parts.param_init_fn is not None or meta or (classes is None and policy is not None):
+    at_run_time = bool(parts.at_run_time) or parts.sync_code is not None
+    if parts.param_init_fn is not None or meta or (classes is None and policy is not None) or at_run_time:
         return [_through_runtime(model, policy, code, parts, out, meta)]
     if parts.sync:
         parts.pre.append(
@@ -408,13 +455,14 @@ def _through_runtime(
             "a unit still on the meta device is materialized just before it is sharded, as FSDP1 does "
             "(param_init_fn on each of its modules, else to_empty + reset_parameters)"
         )
-    if parts.sync:
+    if parts.sync or parts.sync_code is not None:
         parts.notes.append("sync_module_states: each unit is broadcast from rank 0 before it is sharded")
     if parts.ignored_params:  # (apply_fully_shard adds the ignored modules' own)
         parts.kwargs["ignored_params"] = parts.ignored_params
     extra = [f"ignored_modules={parts.ignored}"] if parts.ignored is not None else []
     extra += [f"param_init_fn={parts.param_init_fn}"] if parts.param_init_fn is not None else []
     extra += ["sync_module_states=True"] if parts.sync else []
+    extra += [f"sync_module_states={parts.sync_code}"] if parts.sync_code is not None else []
     extra += ["**fsdp_kwargs"] if parts.kwargs else []
     return f"apply_fully_shard({', '.join([model, 'None' if policy is None else code(policy), *extra])})"
 

@@ -9,6 +9,9 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 from .names import FSDP1_METHODS, PRIVATE_ATTRIBUTES, advice, fsdp1_name
 from .report import Finding
 
+# FSDP1's enums, which a migrated file may keep as data: its members equal torch's (rehome.py moves the import).
+DATA_ENUMS = frozenset({"ShardingStrategy", "StateDictType", "BackwardPrefetch"})
+
 
 class LeftoverFinder(cst.CSTVisitor):
     """Visits the original tree (through the rewriter's MetadataWrapper) skipping the nodes rewrites consumed."""
@@ -27,6 +30,8 @@ class LeftoverFinder(cst.CSTVisitor):
         if isinstance(node, (cst.Name, cst.Attribute)):
             qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}
             names = sorted(filter(None, (fsdp1_name(q) for q in qualified)))
+            if names and names[0].split(".")[0] in DATA_ENUMS:
+                return False  # a plain enum value (a config's default, a comparison): kept, from fsdp_legacy
             if names:
                 self._add(node, f"FSDP1 API `{names[0]}` left in place", *advice(names[0]))
                 return False

@@ -16,6 +16,7 @@ from .facts import FileFacts
 from .internals import Internals
 from .leftovers import LeftoverFinder
 from .manual_wrap import ManualWrap
+from .rehome import Rehome
 from .removal import RemoveStatements as _RemoveStatements
 from .report import MigrationResult
 from .sharded_resume import ShardedResume
@@ -69,6 +70,7 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
             RemoveImportsVisitor.remove_unused_import(context, module, name, asname)
         tree = AddImportsVisitor(context).transform_module(tree)
         tree = RemoveImportsVisitor(context).transform_module(tree)
+        tree = tree.visit(Rehome())  # the FSDP1 values it keeps, from fsdp_legacy (rehome.py)
     internals = Internals()
     wrapper.visit(internals)
     reported = [*transformer.findings, *internals.findings()]

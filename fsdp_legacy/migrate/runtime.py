@@ -7,7 +7,9 @@ materialized first, as FSDP1 materializes it (param_init_fn, or to_empty + reset
 are FSDP1's. `full_params` is FSDP1's `summon_full_params` for code that reads: the full parameters, in their own
 dtype (not the mixed-precision one `FSDPModule.unshard()` gives), are put on the modules for the block.
 `apply_full` is FSDP1's `apply`: `fn` runs on the full parameters and what it changes in place reaches the shards.
-`hybrid_mesh` is FSDP1's HYBRID_SHARD pair of process groups as FSDP2's 2-D mesh; `unshared_optim_state` and
+`fsdp1_options` turns FSDP(...)'s keyword values known only at run time (a computed strategy, precision or offload)
+into apply_fully_shard's, and `hybrid_mesh` FSDP1's HYBRID_SHARD pair of process groups into FSDP2's 2-D mesh
+(keywords_runtime.py); `unshared_optim_state` and
 `rekey_optim_state_dict` carry FSDP1's optimizer state dicts over (optim_runtime.py); `full_state_dict_options` and
 `sharded_state_dict_options` build FSDP1's state-dict configs as StateDictOptions at run time (options_runtime.py)."""
 
@@ -23,17 +25,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..wrap import LegacyPolicy, _Policy, auto_wrap
+from .keywords_runtime import fsdp1_options, hybrid_mesh
 from .optim_runtime import rekey_optim_state_dict, unshared_optim_state
 from .options_runtime import full_state_dict_options, sharded_state_dict_options
 
 __all__ = [
     "apply_full",
     "apply_fully_shard",
+    "fsdp1_options",
     "full_params",
     "full_state_dict_options",
     "hybrid_mesh",
@@ -121,12 +124,14 @@ def apply_fully_shard(
     ignored_modules: Iterable[nn.Module] = (),
     param_init_fn: Callable[[nn.Module], Any] | None = None,
     sync_module_states: bool = False,
+    buffer_dtype: torch.dtype | None = None,
     **fully_shard_kwargs: Any,
 ) -> nn.Module:
     """Shard the units `auto_wrap_policy` picks in `model` (as FSDP1 picks them), then `model` itself, each with
     `fully_shard(unit, **fully_shard_kwargs)`; a CustomPolicy's per-unit dict updates the kwargs of its unit and must
     use fully_shard's names. Each unit is first materialized from the meta device and synced from rank 0 as FSDP1
-    does with `param_init_fn` and `sync_module_states`. Returns `model`."""
+    does with `param_init_fn` and `sync_module_states`; with `buffer_dtype` (FSDP1's MixedPrecision.buffer_dtype, which
+    FSDP2's policy lacks) the floating-point buffers are cast to it once sharded. Returns `model`."""
     ignored = {m for top in ignored_modules for m in top.modules()}
     kwargs = dict(fully_shard_kwargs)
     # The ignored modules' parameters and any given (FSDP1's ignored_states of parameters): left out of every unit,
@@ -143,32 +148,11 @@ def apply_fully_shard(
             # use_orig_params=True: the flat-parameter uniformity check FSDP2 does not need is then only a warning.
             auto_wrap(model, auto_wrap_policy, shard, ignored, ignored_params, {"use_orig_params": True, **kwargs})
     shard(model, **kwargs)
+    if buffer_dtype is not None:
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(buffer_dtype)
     return model
-
-
-def hybrid_mesh(process_group: tuple[dist.ProcessGroup, dist.ProcessGroup]) -> DeviceMesh:
-    """FSDP1's `process_group=(intra_node_group, inter_node_group)` for HYBRID_SHARD as FSDP2's 2-D mesh: dim 0
-    ("replicate") the inter-node groups, dim 1 ("shard") the intra-node ones, the groups themselves reused. A rank
-    knows only its own two groups, so each tells the members of the other its own group (no rank outside the two
-    groups takes part, as in FSDP1): a rank's row is its intra group, and each member of its inter group brings
-    another row; the row's ranks are put in the order of their inter groups (columns)."""
-    if not (isinstance(process_group, (tuple, list)) and len(process_group) == 2):
-        raise ValueError(f"expected (intra_node_group, inter_node_group), got {type(process_group).__name__}")
-    intra, inter = process_group
-    mine = (tuple(dist.get_process_group_ranks(intra)), tuple(dist.get_process_group_ranks(inter)))
-    columns: list[Any] = [None] * dist.get_world_size(intra)  # the inter group of each member of my intra group
-    dist.all_gather_object(columns, mine[1], group=intra)
-    rows: list[Any] = [None] * dist.get_world_size(inter)  # the intra group of each member of my inter group
-    dist.all_gather_object(rows, mine[0], group=inter)
-    column_of = {rank: index for index, column in enumerate(sorted(set(columns))) for rank in column}
-    layout = [sorted(row, key=column_of.__getitem__) for row in sorted(set(rows))]
-    if sorted(r for row in layout for r in row) != sorted(column_of) or len({len(row) for row in layout}) != 1:
-        raise ValueError(
-            f"the groups do not form a grid: intra-node groups {sorted(set(rows))}, inter-node groups "
-            f"{sorted(set(columns))}"
-        )
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return DeviceMesh.from_group([inter, intra], device, mesh=layout, mesh_dim_names=("replicate", "shard"))
 
 
 # -- summon_full_params, for reading --------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.checkpointing: dict[int, str] = {}  # id(statement applying activation checkpointing) -> its model
         self.summons: dict[cst.With, cst.Call] = {}  # summon_full_params blocks that only read -> full_params(...)
         self._precision_uses: dict[cst.CSTNode, bool] | None = None
+        self._run_time_keywords: frozenset[str] = frozenset()  # (set with _precision_uses)
         self._alive: list[cst.CSTNode] = []  # every node whose id() keys one of the dicts above (see _key)
 
     # -- helpers -------------------------------------------------------------------------------------------------
@@ -430,12 +431,19 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if name == "MixedPrecision":
             _, buffer_dtype, refused = construction.mixed_precision_policy(original, self.code)
             used = self._precision().get(original)  # None: no FSDP(...) of the program takes it
+            if not refused and used is not True and "mixed_precision" in self._at_run_time:
+                # it may be what fsdp1_options reads at run time (`mixed_precision=mp_policy()`): FSDP1's, as it is
+                self.consumed.add(original)
+                self.kept_policies.add(original)
+                return updated
             if refused or used is False or (buffer_dtype is not None and used is None):
                 self.report(original, f"MixedPrecision({', '.join(refused) or '...'})", *precision.kept(refused, used))
                 self.kept_policies.add(original)
                 return updated
             self.need(FSDP2, "MixedPrecisionPolicy")
             rewritten = precision.policy_call(updated)
+        elif name == "CPUOffload" and "cpu_offload" in self._at_run_time and not self._offload_literal(original):
+            self.consumed.add(original)  # FSDP1's, for fsdp1_options to read at run time
         elif name == "CPUOffload" and construction.offload_policy(original, self.code):
             self.need(FSDP2, construction.offload_policy(original, self.code))
             rewritten = self.expr(f"{construction.offload_policy(original, self.code)}()")
@@ -465,17 +473,25 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.consumed.add(original)
         return rewritten
 
+    def _offload_literal(self, call: cst.Call) -> bool:
+        return construction.offload_policy(call, self.code) is not None
+
+    @property
+    def _at_run_time(self) -> frozenset[str]:
+        """The FSDP1 keywords some construction of the file hands fsdp1_options to map at run time."""
+        self._precision()
+        return self._run_time_keywords
+
     def _precision(self) -> dict[cst.CSTNode, bool]:
         """The MixedPrecision values FSDP(...) calls take -> whether all of those become fully_shard (a dry run)."""
         if self._precision_uses is None:
-            built = [
-                (
-                    call,
-                    call in self.survey.constructions
-                    and not self._build(self.survey.constructions[call], call).problems,
-                )
+            builds = {
+                call: self._build(self.survey.constructions[call], call)
                 for call in self.survey.fsdp_calls
-            ]
+                if call in self.survey.constructions
+            }
+            built = [(call, call in builds and not builds[call].problems) for call in self.survey.fsdp_calls]
+            self._run_time_keywords = frozenset().union(*(b.at_run_time for b in builds.values() if not b.problems))
             survey = self.survey
             self._precision_uses = precision.uses(
                 built, self.value_of, survey.assigned, survey.name_count, self.facts.policy_uses

@@ -76,7 +76,7 @@ def test_the_policy_of_a_construction_that_stays_fsdp1_stays_fsdp1s() -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         def build(net, cfg):
-            model = FSDP(net, mixed_precision=fpSixteen, sharding_strategy=cfg.sharding_strategy)
+            model = FSDP(net, mixed_precision=fpSixteen, **cfg.fsdp_kwargs)
             return model
         """
     )
@@ -146,6 +146,7 @@ def run():
 _COMPUTED = """from torch.distributed.fsdp import ShardingStrategy
 
 STRATEGY = getattr(ShardingStrategy, "FULL_SHARD")
+FSDP_EXTRA = {"sharding_strategy": STRATEGY}
 """
 
 
@@ -201,16 +202,16 @@ def test_a_policy_of_another_file_becomes_fsdp2s_with_its_construction(ranks: An
 
 
 def test_a_policy_whose_construction_stays_fsdp1_stays_fsdp1s_across_files(ranks: Any, tmp_path: Path) -> None:
-    """The trainer's FSDP(...) stays FSDP1 (a strategy computed at run time): its policy, in another file, stays
+    """The trainer's FSDP(...) stays FSDP1 (keywords the text does not show): its policy, in another file, stays
     FSDP1's too (alone, that file rewrote it, and FSDP1 then failed on FSDP2's policy), and the program runs as it
     did; a policy nothing uses is still rewritten."""
-    files = _train("bf16_params", ", sharding_strategy=STRATEGY")
+    files = _train("bf16_params", ", **FSDP_EXTRA")
     alone = migrate_source(files["policies/mixed_precision.py"])
     assert "bf16_params = MixedPrecisionPolicy(" in alone.migrated  # the file alone: the wrong half
     results = _migrated(files, tmp_path)
     assert results["train.py"].migrated == files["train.py"]
     reported = " ".join(f.what + ": " + f.why for f in results["train.py"].findings)
-    assert "a sharding_strategy computed at run time" in reported and "`bf16_params`" in reported
+    assert "**kwargs" in reported
     policies = results["policies/mixed_precision.py"]
     assert "bf16_params = MixedPrecision(param_dtype" in policies.migrated  # FSDP1's, as the construction's
     assert [f.line for f in policies.findings] == [5, 10]  # bfSixteen (buffer_dtype, unused), bf16_params (kept)
@@ -235,12 +236,15 @@ _USES_ELSEWHERE = {
 
 @pytest.mark.parametrize(("name", "text"), _USES_ELSEWHERE.values(), ids=list(_USES_ELSEWHERE))
 def test_a_policy_used_other_than_by_a_construction_stays_fsdp1s(tmp_path: Path, name: str, text: str) -> None:
-    """It may reach an FSDP(...) the text does not show: FSDP1's, and so is every construction taking it."""
+    """It may reach an FSDP(...) the text does not show: FSDP1's. The construction taking it reads it at run time
+    (fsdp1_options takes FSDP1's MixedPrecision), imported from fsdp_legacy, not torch's FSDP1."""
     files = {**_train("bf16_params"), name: text}
     results = _migrated(files, tmp_path)
     assert "bf16_params = MixedPrecision(param_dtype" in results["policies/mixed_precision.py"].migrated
-    assert results["train.py"].migrated == files["train.py"]
-    assert any("stays FSDP1's" in f.why and "utils.py" in f.why for f in results["train.py"].findings)
+    train = results["train.py"]
+    assert train.findings == [], [f.format("train.py") for f in train.findings]
+    assert "fsdp_kwargs = fsdp1_options(mixed_precision=bf16_params)" in train.migrated
+    assert "FullyShardedDataParallel" not in train.migrated and "from fsdp_legacy.wrap import" in train.migrated
 
 
 def test_a_policy_fsdp2_cannot_take_keeps_the_construction_in_another_file(tmp_path: Path) -> None:
