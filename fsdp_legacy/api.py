@@ -35,6 +35,8 @@ class FSDPEnum(Enum):
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
+        if type(other) is type(self):  # (members are singletons: another of ours is another member)
+            return False
         return (
             isinstance(other, Enum)
             and other.name == self.name

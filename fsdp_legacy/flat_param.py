@@ -44,9 +44,10 @@ class ParamRef:
         return join_fqn(self.module_name, self.param_name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ParamInfo:
-    """One original parameter stored in a flat parameter."""
+    """One original parameter stored in a flat parameter. Compared and hashed by identity: each is made once per
+    parameter, and the runtime looks its views up by it several times per unit and step."""
 
     fqn: str  # relative to the unit's wrapped module
     module: nn.Module  # the module that owns it

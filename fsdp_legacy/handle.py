@@ -29,6 +29,7 @@ from .flat_param import (
     aligned_numel_for,
     build_layout,
     flatten,
+    view_flat,
 )
 from .flat_param_grads import FlatParamGrads
 from .handle_state import HandleTrainingState, Summoned
@@ -123,6 +124,14 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             aligned_numel_for(self.compute_dtype) if use_orig_params else 0,
         )
         self.layout: FlatParamLayout = layout
+        # Every original parameter reference (tied ones included) as (module, attribute name, ParamInfo), and where
+        # each parameter's chunk lies among the flat parameter's splits: read at every forward and backward.
+        self._attribute_refs: tuple[tuple[nn.Module, str, ParamInfo], ...] = (
+            *((info.module, info.param_name, info) for info in layout.params),
+            *((shared.module, shared.param_name, shared.primary) for shared in layout.shared),
+        )
+        self._param_chunks = tuple(i for i, (_, is_padding) in enumerate(layout.segments) if not is_padding)
+        self._split_sizes: dict[int, list[int]] = {}  # the flat parameter's numel -> its split into segments
         # Modules whose class overrides __setattr__ see the views written through it, unless FSDP_USE_UNSAFE_SETATTR=1
         # (module_setattr.py; torch reads the variable here too).
         self._setattr_modules: list[nn.Module] = (
@@ -402,16 +411,20 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         gradients into the flat parameter. They go into the module's __dict__, which attribute lookup reads before
         `_parameters`, so with use_orig_params=True the registered parameters stay untouched.
         """
-        layout = self.layout
-        sizes = [numel for numel, _ in layout.segments]
-        if self.flat_param.numel() > layout.numel:
-            sizes.append(self.flat_param.numel() - layout.numel)
+        numel = self.flat_param.numel()
+        sizes = self._split_sizes.get(numel)
+        if sizes is None:
+            sizes = [segment_numel for segment_numel, _ in self.layout.segments]
+            if numel > self.layout.numel:  # the world-size padding: a last chunk that no parameter reads
+                sizes.append(numel - self.layout.numel)
+            self._split_sizes[numel] = sizes
         # One split (a single autograd node) rather than a slice per parameter, which would each backpropagate a
         # full-size gradient.
-        chunks = self.flat_param.split(sizes)
-        # (the last chunk, the world-size padding, has no segment: zip leaves it out)
-        params = (chunk for chunk, (_, is_padding) in zip(chunks, layout.segments, strict=False) if not is_padding)
-        views = {info: info.view_of(chunk) for info, chunk in zip(layout.params, params, strict=True)}
+        chunks = self.flat_param.split_with_sizes(sizes)
+        views = {
+            info: view_flat(chunks[index], info.shape, info.stride)
+            for info, index in zip(self.layout.params, self._param_chunks, strict=True)
+        }
         for info, param in self.orig_params.items():
             if not param.requires_grad:  # frozen (use_orig_params=True): autograd computes no gradient for it
                 views[info] = views[info].detach()
@@ -419,8 +432,9 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             views[info] = self.typed(views[info], info)
         # (torch sets use_orig_params=False views in forward only: backward's go straight into the dicts)
         forward = self.use_orig_params or self.training_state == HandleTrainingState.FORWARD
-        for module, name, info in self._attributes():
-            show(module, name, views[info], forward and module in self._setattr_modules)
+        through_setattr = forward and self._setattr_modules
+        for module, name, info in self._attribute_refs:
+            show(module, name, views[info], bool(through_setattr) and module in self._setattr_modules)
         if self.use_orig_params and self.training_state == HandleTrainingState.FORWARD:
             self._register_views(views)
             self.forward_views = views  # (torch's `_tensors`, until the unit reshards)
@@ -479,12 +493,9 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         if self._registered_views:
             self._register_orig_params()
 
-    def _attributes(self):
+    def _attributes(self) -> tuple[tuple[nn.Module, str, ParamInfo], ...]:
         """(module, attribute name, ParamInfo) of every original parameter reference, tied ones included."""
-        for info in self.layout.params:
-            yield info.module, info.param_name, info
-        for shared in self.layout.shared:
-            yield shared.module, shared.param_name, shared.primary
+        return self._attribute_refs
 
     def writeback_orig_params(self) -> None:
         """use_orig_params=True: take in replaced original parameters before an unshard (orig_param_views.py)."""

@@ -28,7 +28,7 @@ from .buckets import ReduceBucket, bucket_bytes_from_env, gather_group, unshard_
 from .exec_order import ExecOrderCheck, enabled
 from .flat_param_grads import PendingReduction
 from .handle import FlatParamHandle, HandleTrainingState
-from .unit import FSDPUnit, TrainingState
+from .unit import FSDPUnit, TrainingState, set_training_state
 
 # On CUDA the CPU runs ahead of the GPU; this many resharded-but-not-yet-executed units are allowed before the
 # CPU waits, which bounds the memory of all-gathers issued ahead (torch FSDP1's limit_all_gathers).
@@ -66,7 +66,7 @@ class Runtime:
     def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if unit is self.root:
             args, kwargs = self._root_pre_forward(args, kwargs)
-        unit.training_state = TrainingState.FORWARD_BACKWARD
+        set_training_state(unit, TrainingState.FORWARD_BACKWARD)
         mp = unit.mixed_precision
         cast = mp.cast_forward_inputs or (unit is self.root and mp.cast_root_forward_inputs)
         if mp.param_dtype is not None and cast and not self.full_precision_eval:
@@ -201,7 +201,7 @@ class Runtime:
             self.iteration_done = True
         # As in torch: a unit is IDLE between its forward and its backward (which may never come), so summon,
         # clip_grad_norm_ and state dicts work there; the pre-backward hook sets FORWARD_BACKWARD again.
-        unit.training_state = TrainingState.IDLE
+        set_training_state(unit, TrainingState.IDLE)
         return output
 
     def register_pre_backward_hooks(self, unit: FSDPUnit, output: Any) -> Any:
@@ -232,7 +232,7 @@ class Runtime:
 
     def _pre_backward(self, unit: FSDPUnit, grad: torch.Tensor) -> None:
         self._queue_backward_callback()
-        unit.training_state = TrainingState.FORWARD_BACKWARD
+        set_training_state(unit, TrainingState.FORWARD_BACKWARD)
         task = torch._C._current_graph_task_id()
         handles = [handle for handle in unit._handles if handle.needs_pre_backward or _backward_again(handle, task)]
         if not handles:
@@ -356,7 +356,7 @@ class Runtime:
         for unit in self.units:
             for handle in unit._handles:
                 handle.finish_backward(free=not higher_order)
-            unit.training_state = TrainingState.IDLE
+            set_training_state(unit, TrainingState.IDLE)
         self.reshard_events.clear()
         self.frozen_runs.clear()
         self.backward_callback_queued = False

@@ -100,6 +100,13 @@ class FSDPUnit(nn.Module, _State):
         return wrapped
 
 
+def set_training_state(unit: FSDPUnit, state: TrainingState) -> None:
+    """`unit.training_state = state`, without nn.Module.__setattr__'s checks for a parameter, buffer or module (a state
+    is none of them, and that attribute lives in the instance's dict either way): the runtime sets it several times per
+    unit and step."""
+    unit.__dict__["training_state"] = state
+
+
 def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FSDPUnit]:
     """All FSDP units in `module` (itself included) in pre-order, or only the outermost ones."""
     units = [m for m in module.modules() if isinstance(m, FSDPUnit)]

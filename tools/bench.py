@@ -349,16 +349,16 @@ def render(rows: list[Row], args: argparse.Namespace, descs: dict[str, str], env
     return "\n".join(lines)
 
 
-def write_report(path: Path, report: str) -> None:
-    """Put ``report`` in ``path`` between markers, keeping the prose around them.
+def write_report(path: Path, report: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put ``report`` in ``path`` between the markers ``begin`` and ``end``, keeping the prose around them.
 
     Without markers, the file's first markdown table is replaced (or the block appended).
     """
-    block = f"{BEGIN}\n{report}\n{END}"
+    block = f"{begin}\n{report}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         lines = text.splitlines()
         table = [i for i, line in enumerate(lines) if line.lstrip().startswith("|")]
