@@ -13,7 +13,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import apply_call, configs, construction, optim_state, precision, summon, unwrap
+from . import apply_call, configs, construction, optim_state, partials, precision, summon, unwrap
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .facts import FileFacts
 from .manual_wrap import ManualWrap
@@ -426,6 +426,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             given = original.args[1].value  # an FSDP1 policy is what apply_fully_shard takes (a migrated file)
             self.consumed.update({given, self.value_of(given)})
             self._policy_factory(self.value_of(given))
+        if original in self.survey.fsdp_partials:
+            return partials.rewrite(self, original, updated)
         name = self.fsdp1(original.func)
         rewritten: cst.BaseExpression | None = None
         if name == "MixedPrecision":
@@ -492,6 +494,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             }
             built = [(call, call in builds and not builds[call].problems) for call in self.survey.fsdp_calls]
             self._run_time_keywords = frozenset().union(*(b.at_run_time for b in builds.values() if not b.problems))
+            self._run_time_keywords |= partials.run_time_keywords(self.survey.fsdp_partials, self.code)
             survey = self.survey
             self._precision_uses = precision.uses(
                 built, self.value_of, survey.assigned, survey.name_count, self.facts.policy_uses
