@@ -447,8 +447,10 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         elif name == "CPUOffload" and "cpu_offload" in self._at_run_time and not self._offload_literal(original):
             self.consumed.add(original)  # FSDP1's, for fsdp1_options to read at run time
         elif name == "CPUOffload" and construction.offload_policy(original, self.code):
-            self.need(FSDP2, construction.offload_policy(original, self.code))
-            rewritten = self.expr(f"{construction.offload_policy(original, self.code)}()")
+            policy = cast(str, construction.offload_policy(original, self.code))
+            self.need(FSDP2, policy)
+            RemoveImportsVisitor.remove_unused_import(self.context, FSDP2, policy)  # unused if its FSDP(...) goes
+            rewritten = self.expr(f"{policy}()")
         elif optim_state.api_of(name) is not None:
             rewritten = self._optim_call(cast(str, optim_state.api_of(name)), original)
         elif name == apply_call.API:
