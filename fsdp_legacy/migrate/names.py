@@ -152,3 +152,23 @@ def advice(name: str) -> tuple[str, str]:
         "fsdp-legacy migrate does not map this FSDP1 API (or not in this form)",
         "rewrite it onto fully_shard / FSDPModule / torch.distributed.checkpoint.state_dict (docs/migration.md)",
     )
+
+
+# FSDP(...)'s keywords FSDP2 does without (construction.py drops them with a note where it sees them).
+FSDP1_DROPPED_KWARGS = frozenset(
+    {"use_orig_params", "limit_all_gathers", "backward_prefetch", "forward_prefetch", "device_id"}
+)
+# Those fully_shard_fsdp1 maps: through fsdp1_options, or apply_fully_shard's own.
+FSDP1_MAPPED_KWARGS = frozenset(
+    {
+        "sharding_strategy",
+        "mixed_precision",
+        "cpu_offload",
+        "process_group",
+        "device_mesh",
+        "auto_wrap_policy",
+        "ignored_modules",
+        "param_init_fn",
+        "sync_module_states",
+    }
+)

@@ -16,6 +16,7 @@ from .facts import FileFacts
 from .internals import Internals
 from .leftovers import LeftoverFinder
 from .manual_wrap import ManualWrap
+from .partials import ClassValues
 from .rehome import Rehome
 from .removal import RemoveStatements as _RemoveStatements
 from .report import MigrationResult
@@ -79,6 +80,9 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     findings = sorted(reported + finder.findings, key=lambda f: f.line)
     positions = wrapper.resolve(PositionProvider)
     kept = frozenset(positions[c].start.line for c in survey.fsdp_calls if c not in transformer.migrated_calls)
+    values = ClassValues(transformer.consumed)  # FSDP1's class handed on (`partial(FSDP, ...)`, `wrapper = FSDP`)
+    wrapper.visit(values)  # and left: it builds FSDP1 models too
+    kept |= {positions[v].start.line for v in values.found}
     policies = frozenset(n for n, v in survey.assigned.items() for _, value in v if value in transformer.kept_policies)
     stays = kept | {positions[c].start.line for c in wraps.plan.kept}  # (manual wrapping left FSDP1's too)
     if stays and tree.code != source:  # never a mix: the rest would be FSDP2's around an FSDP1 model

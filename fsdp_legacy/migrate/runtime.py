@@ -8,7 +8,8 @@ are FSDP1's. `full_params` is FSDP1's `summon_full_params` for code that reads: 
 dtype (not the mixed-precision one `FSDPModule.unshard()` gives), are put on the modules for the block.
 `apply_full` is FSDP1's `apply`: `fn` runs on the full parameters and what it changes in place reaches the shards.
 `fsdp1_options` turns FSDP(...)'s keyword values known only at run time (a computed strategy, precision or offload)
-into apply_fully_shard's, and `hybrid_mesh` FSDP1's HYBRID_SHARD pair of process groups into FSDP2's 2-D mesh
+into apply_fully_shard's, `fully_shard_fsdp1` is `FSDP(module, **kwargs)` all mapped at run time (for
+`partial(FSDP, ...)`), and `hybrid_mesh` FSDP1's HYBRID_SHARD pair of process groups into FSDP2's 2-D mesh
 (keywords_runtime.py); `unshared_optim_state` and
 `rekey_optim_state_dict` carry FSDP1's optimizer state dicts over (optim_runtime.py); `full_state_dict_options` and
 `sharded_state_dict_options` build FSDP1's state-dict configs as StateDictOptions at run time (options_runtime.py)."""
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..wrap import LegacyPolicy, _Policy, auto_wrap
 from .keywords_runtime import fsdp1_options, hybrid_mesh
+from .names import FSDP1_DROPPED_KWARGS
 from .optim_runtime import rekey_optim_state_dict, unshared_optim_state
 from .options_runtime import full_state_dict_options, sharded_state_dict_options
 
@@ -38,6 +40,7 @@ __all__ = [
     "apply_fully_shard",
     "fsdp1_options",
     "full_params",
+    "fully_shard_fsdp1",
     "full_state_dict_options",
     "hybrid_mesh",
     "rekey_optim_state_dict",
@@ -153,6 +156,35 @@ def apply_fully_shard(
             if buffer.is_floating_point():
                 buffer.data = buffer.data.to(buffer_dtype)
     return model
+
+
+def fully_shard_fsdp1(
+    module: nn.Module,
+    *,
+    sharding_strategy: Any = None,
+    mixed_precision: Any = None,
+    cpu_offload: Any = None,
+    process_group: Any = None,
+    device_mesh: Any = None,
+    auto_wrap_policy: _Policy | LegacyPolicy | None = None,
+    ignored_modules: Iterable[nn.Module] | None = None,
+    param_init_fn: Callable[[nn.Module], Any] | None = None,
+    sync_module_states: bool = False,
+    **dropped: Any,
+) -> nn.Module:
+    """`FSDP(module, **kwargs)` with FSDP1's keywords, for where the class itself is handed on
+    (`functools.partial(FSDP, sharding_strategy=..., ...)`, a factory's wrapper): every value is mapped at run time
+    as FSDP1 applies it (fsdp1_options: the strategy, precision, offload, group or mesh; apply_fully_shard: the
+    policy's units, ignored modules, initialization, sync_module_states, buffer_dtype's cast), and the module,
+    sharded in place, is returned. The keywords FSDP2 does without (use_orig_params, limit_all_gathers, device_id,
+    the prefetch settings) are taken and dropped; any other raises TypeError, as FSDP1 would for a wrong one."""
+    unknown = sorted(set(dropped) - FSDP1_DROPPED_KWARGS)
+    if unknown:
+        raise TypeError(f"fully_shard_fsdp1: FSDP(...) keyword(s) {unknown} are not mapped onto FSDP2")
+    options = fsdp1_options(sharding_strategy, mixed_precision, cpu_offload, process_group, device_mesh)
+    return apply_fully_shard(
+        module, auto_wrap_policy, ignored_modules or (), param_init_fn, bool(sync_module_states), **options
+    )
 
 
 # -- summon_full_params, for reading --------------------------------------------------------------------------------

@@ -118,7 +118,8 @@ def kept_constructions(lines: list[int]) -> Finding:
     change: that code is left FSDP1's too."""
     where = ", ".join(map(str, lines))
     why = (
-        f"FSDP(...) or wrap() at line{'s' if len(lines) > 1 else ''} {where} stays FSDP1 (the findings there say "
+        f"FSDP(...), wrap() or FSDP1's class handed on as a value (`partial(FSDP, ...)`, `wrapper = FSDP`) at "
+        f"line{'s' if len(lines) > 1 else ''} {where} stays FSDP1 (the findings there say "
         "why), and rewriting the rest of the file for FSDP2 would mix the two: its model's methods (`clip_grad_norm_`, "
         "`no_sync`), `FSDP.fsdp_modules(...)`, `isinstance(x, FSDP)`, its policies and state-dict calls would be "
         "FSDP2's around an FSDP1 model; the file is left as it is, as a whole"

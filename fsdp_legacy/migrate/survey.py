@@ -10,6 +10,7 @@ import libcst as cst
 from libcst.metadata import QualifiedNameProvider
 
 from .names import FSDP1_IMPORT_MODULES, fsdp1_name
+from .partials import is_fsdp_partial
 
 _FSDP = "FullyShardedDataParallel"
 _AC = "apply_activation_checkpointing"
@@ -38,6 +39,7 @@ class Survey(cst.CSTVisitor):
         self.meta = False
         self.fsdp_calls: list[cst.Call] = []  # every FSDP(...) call
         self.constructions: dict[cst.Call, str] = {}  # those the rewriter maps: `target = FSDP(...)` -> target
+        self.fsdp_partials: list[cst.Call] = []  # every `partial(FSDP, ...)` (partials.py)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         """A function that only applies activation checkpointing (besides local names, prints and its docstring)
@@ -82,6 +84,8 @@ class Survey(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         if self._is_fsdp(node.func):
             self.fsdp_calls.append(node)
+        if is_fsdp_partial(node, self._qualified):
+            self.fsdp_partials.append(node)
 
     def visit_Name(self, node: cst.Name) -> None:
         self.name_count[node.value] += 1

@@ -13,7 +13,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import apply_call, configs, construction, optim_state, precision, summon, unwrap
+from . import apply_call, configs, construction, optim_state, partials, precision, summon, unwrap
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .facts import FileFacts
 from .manual_wrap import ManualWrap
@@ -426,6 +426,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             given = original.args[1].value  # an FSDP1 policy is what apply_fully_shard takes (a migrated file)
             self.consumed.update({given, self.value_of(given)})
             self._policy_factory(self.value_of(given))
+        if original in self.survey.fsdp_partials:
+            return partials.rewrite(self, original, updated)
         name = self.fsdp1(original.func)
         rewritten: cst.BaseExpression | None = None
         if name == "MixedPrecision":
@@ -445,8 +447,10 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         elif name == "CPUOffload" and "cpu_offload" in self._at_run_time and not self._offload_literal(original):
             self.consumed.add(original)  # FSDP1's, for fsdp1_options to read at run time
         elif name == "CPUOffload" and construction.offload_policy(original, self.code):
-            self.need(FSDP2, construction.offload_policy(original, self.code))
-            rewritten = self.expr(f"{construction.offload_policy(original, self.code)}()")
+            policy = cast(str, construction.offload_policy(original, self.code))
+            self.need(FSDP2, policy)
+            RemoveImportsVisitor.remove_unused_import(self.context, FSDP2, policy)  # unused if its FSDP(...) goes
+            rewritten = self.expr(f"{policy}()")
         elif optim_state.api_of(name) is not None:
             rewritten = self._optim_call(cast(str, optim_state.api_of(name)), original)
         elif name == apply_call.API:
@@ -492,6 +496,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             }
             built = [(call, call in builds and not builds[call].problems) for call in self.survey.fsdp_calls]
             self._run_time_keywords = frozenset().union(*(b.at_run_time for b in builds.values() if not b.problems))
+            self._run_time_keywords |= partials.run_time_keywords(self.survey.fsdp_partials, self.code)
             survey = self.survey
             self._precision_uses = precision.uses(
                 built, self.value_of, survey.assigned, survey.name_count, self.facts.policy_uses

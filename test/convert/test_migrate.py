@@ -278,6 +278,21 @@ def test_keywords_map_onto_fully_shard() -> None:
     )
 
 
+def test_no_offload_inside_a_construction_imports_nothing() -> None:
+    """`cpu_offload=CPUOffload(offload_params=False)` is FSDP2's default: nothing is passed, and nothing imported."""
+    out, result = _migrated(
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, CPUOffload
+
+        def build(net):
+            model = FSDP(net, cpu_offload=CPUOffload(offload_params=False))
+            return model
+        """
+    )
+    assert result.findings == [] and "fully_shard(net)" in out
+    assert "OffloadPolicy" not in out and "CPUOffload" not in out
+
+
 def test_training_and_state_dict_calls() -> None:
     out, result = _migrated(
         """

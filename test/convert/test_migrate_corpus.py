@@ -251,6 +251,21 @@ def test_torchtune_style_builder_sets_the_type_for_its_caller(tmp_path: Path) ->
 
 
 @pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
+def test_dinov2_style_student_teacher_through_a_wrapper_factory(tmp_path: Path) -> None:
+    """get_fsdp_wrapper's partial(FSDP, ...) with the strategy and dtypes looked up by name, four FSDP roots (student
+    and teacher backbone and head), the teacher's EMA over the parameters, FSDP.fsdp_modules counting the units, a
+    SHARDED checkpoint of the whole meta-architecture; the FSDP2 program resumes from FSDP1's."""
+    args = ("--steps", "6", "--save-after", "2")
+    fsdp2, before = _compare("dinov2_style", tmp_path, *args, fsdp1_args=("--save", str(tmp_path / "fsdp1")),
+                             fsdp2_args=("--save", str(tmp_path / "fsdp2")))  # fmt: skip
+    assert "partial(\n        fully_shard_fsdp1," in fsdp2.read_text()
+    assert before["units"] == [9.0]  # per submodel: the root and its units (PatchEmbed and 3 Blocks; 3 Linear)
+    (after,) = _torchrun((fsdp2, "--steps", "6", "--resume", tmp_path / "fsdp1"))
+    _assert_close(after["loss"], before["loss"][3:])
+    _assert_close(after["norm"], before["norm"])
+
+
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
 def test_fastchat_style_save_model_under_a_type_is_refused_whole_and_reported(tmp_path: Path, capsys: Any) -> None:
     """trainer.save_model() under FastChat's FULL block: the tool cannot see into it, so the block stays, and with it
     the whole file (rewritten around it, the FSDP1 block would set nothing on the FSDP2 model and fail leaving it).
