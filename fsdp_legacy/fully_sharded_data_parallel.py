@@ -440,7 +440,14 @@ class FullyShardedDataParallel(TorchUnitNames, FSDPUnit):
         """Gather the full parameters of the FSDP units in `module` (only the outermost ones if not `recurse`) for
         the duration of the context; edits persist with `writeback`. Works on CPU with offload_to_cpu, and with_grads
         works for use_orig_params=False too."""
-        units = FullyShardedDataParallel.fsdp_modules(module, root_only=not recurse)
+        if recurse:
+            units = FullyShardedDataParallel.fsdp_modules(module)
+        else:  # torch's: only `module` itself, nothing when it is no FSDP instance
+            units = [module] if isinstance(module, FullyShardedDataParallel) else []
+        # As torch's, each unit is lazily initialised first, outermost first: a unit that never ran forward becomes a
+        # root here (`_is_root` set), as code counting roots after summon_full_params expects.
+        for unit in units:
+            unit._lazy_init()
         return summon_full_params(units, writeback, rank0_only, offload_to_cpu, with_grads)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
