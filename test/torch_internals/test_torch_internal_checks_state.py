@@ -17,6 +17,8 @@ import torch.distributed as dist
 from parameterized import parameterized
 from torch import nn
 
+import fsdp_legacy
+import fsdp_legacy.collectives
 from torch_side_by_side import (
     _FSDP,
     _each,
@@ -73,10 +75,17 @@ class _LinearMP(nn.Module):
 
 @contextlib.contextmanager
 def _reduce_dtypes(record: list) -> Iterator[None]:
-    """Record the dtype of every floating-point tensor the gradient reductions communicate (torch's FSDP1 calls
-    reduce_scatter_single, or all_reduce with NO_SHARD; ours on gloo an all_reduce)."""
-    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce") if hasattr(dist, n)]
-    originals = {name: getattr(dist, name) for name in names}
+    """Record the dtype of every floating-point tensor the gradient reductions communicate: what torch's FSDP1 hands
+    c10d (reduce_scatter_single, or all_reduce with NO_SHARD), what ours hands its collectives (which on gloo run a
+    reduce-scatter as an exchange of halves between two ranks, or as an all-reduce, and gather through the same
+    exchange, so c10d's names alone would not tell a reduction from a gather)."""
+    if _fsdp().FullyShardedDataParallel is fsdp_legacy.FullyShardedDataParallel:
+        owner: Any = fsdp_legacy.collectives
+        names = ["reduce_scatter", "reduce_scatter_pieces", "all_reduce"]
+    else:
+        owner = dist
+        names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce") if hasattr(dist, n)]
+    originals = {name: getattr(owner, name) for name in names}
 
     def recording(name: str) -> Callable[..., Any]:
         def collective(*args: Any, **kwargs: Any) -> Any:
@@ -88,12 +97,12 @@ def _reduce_dtypes(record: list) -> Iterator[None]:
         return collective
 
     for name in names:
-        setattr(dist, name, recording(name))
+        setattr(owner, name, recording(name))
     try:
         yield
     finally:
         for name, original in originals.items():
-            setattr(dist, name, original)
+            setattr(owner, name, original)
 
 
 def _mixed_precision_e2e(config: str, full_dtype_name: str, strategy: str, nested: bool) -> dict[str, Any]:
