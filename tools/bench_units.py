@@ -19,6 +19,7 @@ overhead is the per-unit slope less what the unit's parameters cost at the per-p
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pickle
 import statistics
@@ -231,6 +232,8 @@ def parse_args() -> argparse.Namespace:
     args.impls = [i for i in args.impls.split(",") if i]
     if unknown := set(args.impls) - set(IMPLS):
         p.error(f"unknown {sorted(unknown)}; choose from {IMPLS}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the long run
+        p.error("--plot needs matplotlib: pip install matplotlib (or fsdp_legacy[plot])")
     args.unit_sweep = [Shape(int(n), args.d) for n in args.units.split(",") if n]
     args.param_sweep = [Shape(64, int(d)) for d in args.widths.split(",") if d]
     args.shapes = list(dict.fromkeys([*args.unit_sweep, *args.param_sweep]))
