@@ -231,8 +231,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                     self.consumed.add(self.value_of(arg.value))
             if arg.keyword and arg.keyword.value == "auto_wrap_policy":
                 self._policy_factory(self.value_of(arg.value))
-        notes = [cst.EmptyLine(comment=cst.Comment(note)) for note in built.notes]
-        built.statements[0] = _with_leading(built.statements[0], [*original.leading_lines, *notes])
+        built.statements[0] = _with_leading(built.statements[0], construction.leading(built, original))
         wrapped = construction.module_first(call).args[0].value
         model = self.code(wrapped) if isinstance(wrapped, (cst.Name, cst.Attribute)) else target
         placed = Placed(model, target, len(built.statements), built.materializes)
