@@ -126,6 +126,16 @@ def test_a_block_it_cannot_decide_stays_with_the_file(args: str) -> None:
     assert result.migrated == source and any(f.kind == "refused" for f in result.findings)
 
 
+def test_a_config_computed_inline_is_decided_where_the_block_starts() -> None:
+    source = _program(True).replace("with FSDP.state_dict_type(model, kind):", (
+        "with FSDP.state_dict_type(model, kind, ShardedStateDictConfig(offload_to_cpu=sharded_state_dict)):"
+    ))  # fmt: skip
+    result = migrate_source(source)
+    assert result.findings == [], [f.format("x.py") for f in result.findings]
+    expected = "state_dict_type_options(state_dict_type=kind, state_dict_config=ShardedStateDictConfig(offload_to_cpu="
+    assert expected in result.migrated
+
+
 def test_the_helper_refuses_what_fsdp2_lacks() -> None:
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 
