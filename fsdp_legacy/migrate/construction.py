@@ -508,3 +508,24 @@ def module_first(call: cst.Call) -> cst.Call:
         return call
     first = named[0].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
     return call.with_changes(args=[first, *(a for a in call.args if a is not named[0])])
+
+
+def leading(built: Construction, original: cst.SimpleStatementLine) -> list[cst.EmptyLine]:
+    """The lines above what `FSDP(...)`'s statement became: its own, the notes, then the comments written inside it
+    (the new code is built from text, without them), less those the new statements hold already."""
+
+    class _Comments(cst.CSTVisitor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.found: list[str] = []
+
+        def visit_Comment(self, node: cst.Comment) -> None:
+            self.found.append(node.value)
+
+    inside, kept = _Comments(), _Comments()
+    original.body[0].visit(inside)
+    original.trailing_whitespace.visit(inside)
+    for statement in built.statements:
+        statement.visit(kept)
+    comments = [*built.notes, *(c for c in inside.found if c not in kept.found)]
+    return [*original.leading_lines, *(cst.EmptyLine(comment=cst.Comment(c)) for c in comments)]

@@ -33,7 +33,7 @@ from ..wrap import LegacyPolicy, _Policy, auto_wrap
 from .keywords_runtime import fsdp1_options, hybrid_mesh
 from .names import FSDP1_DROPPED_KWARGS
 from .optim_runtime import rekey_optim_state_dict, unshared_optim_state
-from .options_runtime import full_state_dict_options, sharded_state_dict_options
+from .options_runtime import full_state_dict_options, sharded_state_dict_options, state_dict_type_options
 
 __all__ = [
     "apply_full",
@@ -45,6 +45,7 @@ __all__ = [
     "hybrid_mesh",
     "rekey_optim_state_dict",
     "sharded_state_dict_options",
+    "state_dict_type_options",
     "unshared_optim_state",
 ]
 

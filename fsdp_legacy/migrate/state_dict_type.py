@@ -49,6 +49,8 @@ class TypeOptions:
     optim_options: str
     full: bool = False
     configs: tuple[Config, ...] = ()
+    run_time: str = ""  # a block decided at run time: the helper call that gives both options (run_time_blocks.py)
+    data: tuple[cst.CSTNode, ...] = ()  # (and the FSDP1 configs it reads, kept as they are)
 
 
 def parse(call: cst.Call, code: Code, fsdp1: Fsdp1, bindings: Bindings | None = None) -> TypeOptions | None:

@@ -13,7 +13,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import apply_call, configs, construction, optim_state, partials, precision, summon, unwrap
+from . import apply_call, configs, construction, optim_state, partials, precision, run_time_blocks, summon, unwrap
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .facts import FileFacts
 from .manual_wrap import ManualWrap
@@ -231,8 +231,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                     self.consumed.add(self.value_of(arg.value))
             if arg.keyword and arg.keyword.value == "auto_wrap_policy":
                 self._policy_factory(self.value_of(arg.value))
-        notes = [cst.EmptyLine(comment=cst.Comment(note)) for note in built.notes]
-        built.statements[0] = _with_leading(built.statements[0], [*original.leading_lines, *notes])
+        built.statements[0] = _with_leading(built.statements[0], construction.leading(built, original))
         wrapped = construction.module_first(call).args[0].value
         model = self.code(wrapped) if isinstance(wrapped, (cst.Name, cst.Attribute)) else target
         placed = Placed(model, target, len(built.statements), built.materializes)
@@ -349,9 +348,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             options = self.plan.removed.get(node)  # (type_blocks.py decides)
             if options is not None:
                 self.blocks.append((options.model, options))
-                self.removed_blocks[node] = options.model
-                self.unwrap[node] = "state_dict"
-                self.consumed.add(node.items[0])
+                self.removed_blocks[node], self.unwrap[node] = options.model, "state_dict"
+                self.consumed.update((node.items[0], *options.data))
             else:  # the block stays, reported, and the state-dict calls in it with it
                 model = self.code(call.args[0].value) if call.args and not call.args[0].keyword else ""
                 self.blocks.append((model, None))
@@ -388,7 +386,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             return updated
         statements = unwrap.body_of(updated)
         if kind == "state_dict":
-            self.blocks.pop()
+            statements = run_time_blocks.started(self.blocks.pop()[1], statements, self.need)
         else:
             statements = unwrap.no_sync(kind, statements)
         statements[0] = _with_leading(statements[0], list(updated.leading_lines))
@@ -426,6 +424,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             given = original.args[1].value  # an FSDP1 policy is what apply_fully_shard takes (a migrated file)
             self.consumed.update({given, self.value_of(given)})
             self._policy_factory(self.value_of(given))
+        self.consumed.update(run_time_blocks.read_at_run_time(original, qualified, self.value_of, self.fsdp1))
         if original in self.survey.fsdp_partials:
             return partials.rewrite(self, original, updated)
         name = self.fsdp1(original.func)

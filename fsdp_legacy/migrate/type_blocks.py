@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
+from . import run_time_blocks
 from .bindings import Bindings
 from .configs import Config
 from .names import fsdp1_name
@@ -51,6 +52,8 @@ class TypeBlocks(cst.CSTVisitor):
         self.code = code
         self.bindings = bindings
         self.blocks: dict[cst.With, tuple[cst.Call, TypeOptions | None]] = {}
+        self.open: list[cst.With] = []  # the blocks decided at run time around the node visited
+        self.taken: frozenset[str] = frozenset()  # every name the file uses
 
     def fsdp1(self, node: cst.CSTNode) -> str | None:
         names = [fsdp1_name(q.name) for q in self.get_metadata(QualifiedNameProvider, node, set())]
@@ -60,7 +63,26 @@ class TypeBlocks(cst.CSTVisitor):
         item = node.items[0] if len(node.items) == 1 else None
         if item is None or item.asname or not isinstance(item.item, cst.Call) or self.fsdp1(item.item.func) != BLOCK:
             return
-        self.blocks[node] = (item.item, parse(item.item, self.code, self.fsdp1, self.bindings))
+        options = parse(item.item, self.code, self.fsdp1, self.bindings)
+        if options is None and not self.open:  # (one decided at run time inside another would rebind its names)
+            options = run_time_blocks.parse(item.item, self.code, self.fsdp1, self.bindings, self.taken)
+            if options is not None:
+                self.open.append(node)
+        self.blocks[node] = (item.item, options)
+
+    def leave_With(self, original_node: cst.With) -> None:
+        if self.open and self.open[-1] is original_node:
+            self.open.pop()
+
+    def visit_Module(self, node: cst.Module) -> None:
+        names: set[str] = set()
+
+        class _Names(cst.CSTVisitor):
+            def visit_Name(self, name: cst.Name) -> None:
+                names.add(name.value)
+
+        node.visit(_Names())
+        self.taken = frozenset(names)
 
     def plan(self, keep: dict[cst.With, str]) -> Plan:
         """With the blocks of `keep` kept (why): a config rebuilt at run time must serve only blocks taken away, so

@@ -170,7 +170,8 @@ def test_a_config_shared_with_a_block_that_stays_keeps_both() -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        "FullStateDictConfig(rank0_only=flag)",  # computed, written inline: evaluated once, at the block
+        # (computed and written inline, `FullStateDictConfig(rank0_only=flag)`, it is decided at run time where the
+        # block starts: test_migrate_run_time_types.py)
         "FullStateDictConfig(**kwargs)",
         "make_config()",
     ],
