@@ -29,6 +29,7 @@ from typing import Any
 
 from . import api, patch_watch, runtime_names, torch_helpers, wrap
 from .flat_param import FlatParameter
+from .flat_param_metadata import FlatParamShardMetadata
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .handle import FlatParamHandle, HandleTrainingState
 from .handle_torch_names import HandleShardingStrategy
@@ -128,6 +129,7 @@ def _targets(state: _Installed) -> dict[str, dict[str, Any]]:
             "FlatParamHandle": FlatParamHandle,  # (isinstance checks on `_handle`)
             "HandleTrainingState": HandleTrainingState,
             "HandleShardingStrategy": HandleShardingStrategy,
+            "FlatParamShardMetadata": FlatParamShardMetadata,  # (what `shard_metadata()` returns)
         },
         f"{_FSDP1}._common_utils": {
             "TrainingState": TrainingState,

@@ -42,6 +42,39 @@ class _ShardParamInfo(NamedTuple):
 _NOT_IN_SHARD = _ShardParamInfo(False, None, None, None, None)
 
 
+class FlatParamShardMetadata(NamedTuple):
+    """What one shard of a flat parameter holds of each original parameter that reaches into it (torch's record,
+    `FlatParamHandle.shard_metadata()`): names, shapes, strides, contiguities and numels of those parameters, and the
+    first and last (inclusive) of each one's flattened elements in the shard."""
+
+    param_names: tuple[str, ...]
+    param_shapes: tuple[torch.Size, ...]
+    param_strides: tuple[tuple[int, ...], ...]
+    param_contiguities: tuple[bool, ...]
+    param_numels: tuple[int, ...]
+    param_offsets: tuple[tuple[int, int], ...]
+
+
+def shard_param_infos(layout: Any, first: int, last: int) -> tuple[_ShardParamInfo, ...]:
+    """Where each original parameter of `layout` lies in the shard that holds the unsharded flat elements
+    [first, last] (both included), by torch's rules: a parameter is in the shard when its elements [offset,
+    offset + numel - 1] meet that interval (so a parameter without elements only when the interval reaches across its
+    offset), and then its `offset_in_shard`, its `numel_in_shard` and the first and last of its own elements there."""
+    infos = []
+    for info in layout.params:
+        start, end = info.offset, info.offset + info.numel - 1
+        if first > end or last < start:
+            infos.append(_NOT_IN_SHARD)
+            continue
+        lo, hi = max(first, start), min(last, end)
+        if lo > last:  # (an interval that ends before it starts, yet meets a parameter: torch's assertion)
+            raise AssertionError(
+                f"Invalid `offset_in_shard` of {lo - first} for sharded flat parameter with {last - first + 1} numel"
+            )
+        infos.append(_ShardParamInfo(True, lo - first, hi - lo + 1, lo - start, hi - start))
+    return tuple(infos)
+
+
 class TorchFlatParamMetadata:
     """Mixed into FlatParameter: the metadata torch's FSDP1 sets on its flat parameters, as read-only properties.
 
@@ -51,6 +84,9 @@ class TorchFlatParamMetadata:
     flat_layout: Any
     dtype: torch.dtype
     _freed_mp_shard: torch.Tensor | None = None  # what `_mp_shard` shows, made at its first read
+    # `_shard_param_infos` as code assigned it (torch's tests set it from `_get_shard_metadata`), until the handle's
+    # `shard()`: what `shard_metadata()` then reads.
+    _assigned_shard_param_infos: tuple[_ShardParamInfo, ...] | None = None
 
     def _metadata_source(self) -> Any:
         raise NotImplementedError
@@ -140,19 +176,17 @@ class TorchFlatParamMetadata:
 
     @property
     def _shard_param_infos(self) -> tuple[_ShardParamInfo, ...]:
+        if self._assigned_shard_param_infos is not None:
+            return self._assigned_shard_param_infos
         layout, handle = self.flat_layout, self._metadata_source()
         if not handle.sharded:  # the whole flat parameter is the rank's
-            return tuple(_ShardParamInfo(True, i.offset, i.numel, 0, i.numel - 1) for i in layout.params)
-        pieces = {piece.info: piece for piece in layout.shard_pieces(handle.rank)}
-        infos = []
-        for info in layout.params:
-            piece = pieces.get(info)
-            if piece is None:
-                infos.append(_NOT_IN_SHARD)
-                continue
-            end = piece.start_in_param + piece.numel_in_shard - 1
-            infos.append(_ShardParamInfo(True, piece.offset_in_shard, piece.numel_in_shard, piece.start_in_param, end))
-        return tuple(infos)
+            return shard_param_infos(layout, 0, layout.numel - 1)
+        n = layout.shard_numel
+        return shard_param_infos(layout, handle.rank * n, (handle.rank + 1) * n - 1)
+
+    @_shard_param_infos.setter
+    def _shard_param_infos(self, infos: tuple[_ShardParamInfo, ...]) -> None:
+        self._assigned_shard_param_infos = tuple(infos)
 
     # ----------------------------------------------------------------------------------------------------------------
     # use_orig_params=True's lists of original parameters (None otherwise, as torch)

@@ -32,6 +32,7 @@ from .flat_param import (
     view_flat,
 )
 from .flat_param_grads import FlatParamGrads
+from .handle_by_hand import HandleByHand
 from .handle_state import HandleTrainingState, Summoned
 from .handle_torch_names import TorchHandleNames
 from .module_setattr import overrides_setattr, show, unsafe_setattr
@@ -47,7 +48,7 @@ FLATTENED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 # Each mixin declares the methods it uses of the others as stubs, so it must come after those that define them.
-class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandleNames):
+class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandleNames, HandleByHand):
     def __init__(
         self,
         module: nn.Module,

@@ -59,6 +59,7 @@ class TorchHandleNames:
     keep_low_precision_grads: bool
     _grad_before_unshard_grad: tuple[torch.Tensor | None] | None = None  # (unshard_grad: the sharded gradient aside)
     _orig_param_dtype: torch.dtype
+    _strategy_given: HandleShardingStrategy | None = None  # a handle built by hand: the strategy it was given
 
     @property
     def skipped_sharded_views_after_forward(self) -> bool:
@@ -110,6 +111,8 @@ class TorchHandleNames:
 
     @property
     def _sharding_strategy(self) -> HandleShardingStrategy:
+        if self._strategy_given is not None:
+            return self._strategy_given
         if not self.sharded:
             return HandleShardingStrategy.NO_SHARD
         if self.replicate_group is not None:
