@@ -132,6 +132,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             *((shared.module, shared.param_name, shared.primary) for shared in layout.shared),
         )
         self._param_chunks = tuple(i for i, (_, is_padding) in enumerate(layout.segments) if not is_padding)
+        self._split_sizes: dict[int, list[int]] = {}  # the flat parameter's numel -> its split into segments
         # Modules whose class overrides __setattr__ see the views written through it, unless FSDP_USE_UNSAFE_SETATTR=1
         # (module_setattr.py; torch reads the variable here too).
         self._setattr_modules: list[nn.Module] = (
@@ -411,9 +412,13 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         gradients into the flat parameter. They go into the module's __dict__, which attribute lookup reads before
         `_parameters`, so with use_orig_params=True the registered parameters stay untouched.
         """
-        sizes = [numel for numel, _ in self.layout.segments]
-        if self.flat_param.numel() > self.layout.numel:  # the world-size padding: a last chunk no parameter reads
-            sizes.append(self.flat_param.numel() - self.layout.numel)
+        numel = self.flat_param.numel()
+        sizes = self._split_sizes.get(numel)
+        if sizes is None:
+            sizes = [segment_numel for segment_numel, _ in self.layout.segments]
+            if numel > self.layout.numel:  # the world-size padding: a last chunk that no parameter reads
+                sizes.append(numel - self.layout.numel)
+            self._split_sizes[numel] = sizes
         # One split (a single autograd node) rather than a slice per parameter, which would each backpropagate a
         # full-size gradient.
         chunks = self.flat_param.split_with_sizes(sizes)
@@ -428,8 +433,9 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
             views[info] = self.typed(views[info], info)
         # (torch sets use_orig_params=False views in forward only: backward's go straight into the dicts)
         forward = self.use_orig_params or self.training_state == HandleTrainingState.FORWARD
-        for module, name, info in self._attributes():
-            show(module, name, views[info], forward and module in self._setattr_modules)
+        through_setattr = forward and self._setattr_modules
+        for module, name, info in self._attribute_refs:
+            show(module, name, views[info], bool(through_setattr) and module in self._setattr_modules)
         if self.use_orig_params and self.training_state == HandleTrainingState.FORWARD:
             self._register_views(views)
             self.forward_views = views  # (torch's `_tensors`, until the unit reshards)
