@@ -1,7 +1,8 @@
-"""`fsdp-legacy migrate` over real code nobody here wrote: a seeded sample of the installed torch (and of transformers
-and accelerate where they are installed). The tool must never fail on valid Python, and must leave byte for byte
-every file that does not mention FSDP at all (an empty `__init__.py` became `pass`; an argument's own comma once
-made its rewritten call unparsable)."""
+"""`fsdp-legacy migrate` over real code nobody here wrote: the installed torch (and transformers and accelerate where
+they are installed). The tool must never fail on valid Python, and must leave byte for byte every file that does not
+mention FSDP at all (an empty `__init__.py` became `pass`; an argument's own comma once made its rewritten call
+unparsable). Files without FSDP take a shortcut (nothing there can be FSDP1's), so some of them are also run through
+every pass with an FSDP1 import put in front, which must change nothing either."""
 
 import importlib.util
 import random
@@ -12,11 +13,15 @@ import pytest
 from fsdp_legacy.migrate.rewriter import migrate_source
 
 _PACKAGES = ("torch", "transformers", "accelerate")
-_SAMPLE = 150  # files in all, about a minute here
+_WITH_FSDP = 60  # files that mention FSDP (torch alone has about 60 under the size limit): every pass, ~1 s each
+_WITHOUT_FSDP = 200  # files that do not: the shortcut, milliseconds each
+_WITH_AN_IMPORT_PUT_IN = 30  # of those, run through every pass with an unused FSDP1 import in front
+_IMPORT = "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
 _SEED = 20261201
 
 
-def _sample() -> list[Path]:
+def _sample() -> tuple[list[Path], list[Path]]:
+    """A seeded sample of the files that mention FSDP and of those that do not."""
     roots = []
     for name in _PACKAGES:
         spec = importlib.util.find_spec(name)
@@ -24,16 +29,21 @@ def _sample() -> list[Path]:
             roots.append(Path(spec.origin).parent)
     files = sorted(p for root in roots for p in root.rglob("*.py") if p.stat().st_size < 60_000)
     random.Random(_SEED).shuffle(files)
-    return files[:_SAMPLE]
+    with_fsdp = [p for p in files if "fsdp" in p.read_text(encoding="utf-8").lower()]
+    without = [p for p in files if p not in set(with_fsdp)]
+    return with_fsdp[:_WITH_FSDP], without[:_WITHOUT_FSDP]
 
 
-@pytest.mark.heavy  # a few hundred files through LibCST: CI runs it after the README's tests (pytest -m heavy)
+@pytest.mark.heavy  # a hundred files through LibCST's passes: CI runs it after the README's tests (pytest -m heavy)
 def test_migrate_never_fails_and_leaves_files_without_fsdp_alone() -> None:
     import libcst
 
+    with_fsdp, without = _sample()
+    assert with_fsdp and without, "the sample found no files"
+    inputs = [(p, p.read_text(encoding="utf-8")) for p in (*with_fsdp, *without)]
+    inputs += [(p, _IMPORT + p.read_text(encoding="utf-8")) for p in without[:_WITH_AN_IMPORT_PUT_IN]]
     crashed, changed = [], []
-    for path in _sample():
-        source = path.read_text(encoding="utf-8")
+    for path, source in inputs:
         try:
             result = migrate_source(source)
         except libcst.ParserSyntaxError:
@@ -41,8 +51,9 @@ def test_migrate_never_fails_and_leaves_files_without_fsdp_alone() -> None:
         except Exception as error:  # every failure is collected and named
             crashed.append(f"{path}: {type(error).__name__}: {error}"[:300])
             continue
-        if "fsdp" not in source.lower() and result.migrated != source:
-            changed.append(str(path))
+        untouched = "fsdp" not in source.lower() or source.startswith(_IMPORT)  # (an unused import changes nothing)
+        if untouched and result.migrated != source:
+            changed.append(f"{path}{' (the import put in)' if source.startswith(_IMPORT) else ''}")
         elif result.changed:
             compile(result.migrated, str(path), "exec")  # what it wrote is Python
     assert not crashed, "the tool failed on valid Python:\n" + "\n".join(crashed)
