@@ -32,12 +32,12 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     """Rewrite one file's text (`facts`: what the program's other files say, program.py); the findings are what is
     left to a person, by line of `source`."""
     facts = facts or FileFacts()
-    module = cst.parse_module(source)  # (a file that cannot be parsed is an error either way)
+    parsed = cst.parse_module(source)  # (a file that cannot be parsed is an error either way)
     if facts == FileFacts() and "fsdp" not in source.lower():
         # Every FSDP1 name reaches a file through an import path or attribute holding "fsdp", or through another file
         # of the program (facts): nothing here to rewrite or report, and the dozen passes below cost a second a file.
         return MigrationResult(source, source, [])
-    wrapper = MetadataWrapper(module)
+    wrapper = MetadataWrapper(parsed)
     subclasses = Subclasses(frozenset(facts.subclasses))
     wrapper.visit(subclasses)
     refused = refusals(subclasses, dict(facts.subclasses))
