@@ -21,7 +21,7 @@ import torch.distributed as dist
 from parameterized import parameterized
 from torch import nn
 
-from torch_side_by_side import _FSDP, _flat, _run, _units
+from torch_side_by_side import _FSDP, _flat, _run, _run_both, _units
 
 
 def _flat_param_module() -> Any:
@@ -170,6 +170,49 @@ def _nothing_to_flatten() -> dict[str, Any]:
 def test_handle_with_nothing_to_flatten_raises() -> None:
     for seen in _run(_nothing_to_flatten):
         assert seen["empty"] == "Cannot construct a FlatParamHandle with an empty parameter list", seen
+
+
+def _with_an_extension() -> str:
+    """A handle built with an `fsdp_extension` whose transforms pass the tensors through (torch's own protocol)."""
+    flat_param = _flat_param_module()
+    extensions = importlib.import_module("torch.distributed.fsdp._fsdp_extensions")
+
+    class PassThrough(extensions.FSDPExtensions):
+        def pre_flatten_transform(self, tensor):  # type: ignore[no-untyped-def]
+            return tensor, None
+
+        def post_unflatten_transform(self, tensor, param_extension):  # type: ignore[no-untyped-def]
+            return tensor
+
+        def chunk_tensor(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("not reached")
+
+        def chunk_dtensor(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("not reached")
+
+        def pre_load_state_dict_transform(self, tensor):  # type: ignore[no-untyped-def]
+            raise AssertionError("not reached")
+
+        def all_gather_dtensor(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("not reached")
+
+    module = nn.Linear(2, 2)
+    args = (flat_param.HandleShardingStrategy.FULL_SHARD, False, None, None, False)
+    group = dist.distributed_c10d._get_default_group()
+    try:
+        flat_param.FlatParamHandle(
+            list(module.parameters()), module, torch.device("cpu"), *args, group, False, fsdp_extension=PassThrough()
+        )
+    except NotImplementedError as error:
+        return str(error)
+    return "built"
+
+
+def test_handle_with_an_extension_is_built_by_torch_and_refused_by_name_on_ours() -> None:
+    """torch's FSDP1 calls the extension's transforms; ours flattens DTensors itself and says so, not ignoring it."""
+    for seen in _run_both(_with_an_extension):
+        assert seen["torch"] == "built", seen
+        assert "fsdp_extension" in seen["ours"] and "DTensor" in seen["ours"], seen
 
 
 def _unit_shard_infos(strategy: str, use_orig_params: bool) -> list[list[tuple]]:
