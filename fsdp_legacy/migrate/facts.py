@@ -27,3 +27,6 @@ class FileFacts:
     # this file's module-level MixedPrecision names used by other files: whether each of those uses becomes
     # FSDP2's (False: one stays FSDP1, so the policy must stay FSDP1's too)
     policy_uses: Mapping[str, bool] = field(default_factory=dict)
+    # this file's names other files import (`*`: a star import of it) -> where, as a finding words it: a function
+    # returning a wrapped model to callers there is not followed (returned_model.py)
+    read_elsewhere: Mapping[str, str] = field(default_factory=dict)

@@ -202,6 +202,21 @@ class Shared:
                 found.update(self._resolve(path, imp))
         return found - {path}
 
+    def read_from(self, path: str) -> dict[str, str]:
+        """The names of `path` other files import (`from m import name`, `m.name`; `*` for a star import) -> where."""
+        found: dict[str, str] = {}
+        for other, read in self.files.items():
+            if other == path:
+                continue
+            for imp in read.imports:
+                if imp.name is not None and path in self._resolve(other, imp):
+                    found.setdefault(imp.name, f"imported by {other}")
+            modules = self._modules(other)
+            for ref in read.references:
+                if ref.attribute_of is not None and modules.get(ref.attribute_of) == path:
+                    found.setdefault(ref.name, f"used by {other}:{ref.line}")
+        return found
+
     def imported(self, path: str) -> dict[str, ImportedPolicy]:
         out = {}
         for local, origin in self._bound(path).items():

@@ -66,7 +66,7 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
     for _ in range(_ROUNDS):
         for path in wrappers:
             others = {n: w for n, w in every.items() if n not in defined[path]}
-            facts = FileFacts(others, shared.imported(path), shared.uses_of(path))
+            facts = FileFacts(others, shared.imported(path), shared.uses_of(path), shared.read_from(path))
             if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
                 result = last[path][1]
             else:

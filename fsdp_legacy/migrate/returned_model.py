@@ -1,17 +1,32 @@
-"""A model whose state-dict type is set in the function that builds and returns it (`def build(): model = FSDP(...);
-FSDP.set_state_dict_type(model, ...); return model`), with the state-dict calls in its callers (`model = build();
-model.state_dict()`): the type travels with the returned model, so state_dict_type.py follows it to each call site.
+"""A wrapped model that a function returns to its callers, followed to them where the text shows every path.
 
-Followed only where the text shows every path: a module-level function without decorators, whose one `return` is
-`return model` at the end of its body, after the setter; called only as `name = build(...)` statements of this file
-(any other use of the function, or no call here at all, and its callers' calls may be anywhere)."""
+- A state-dict type set where the model is built (`def build(): model = FSDP(...); FSDP.set_state_dict_type(model,
+  ...); return model`) travels with the returned model: state_dict_type.py follows it to the calls after each
+  `name = build(...)` (`returned`).
+- A function that builds and returns the model (`return FSDP(net, ...)`, or `model = FSDP(net, ...)` ... `return
+  model`) makes each caller's name a wrapped model (`builders`): the rewriter maps the construction and the calls on
+  those names as for a model wrapped in place (`model.state_dict()`, `model.clip_grad_norm_(...)`, `no_sync()`).
+
+Followed only where the text shows every path: a function without decorators (module-level, or for a builder a
+method of a module-level class), whose one `return` ends its body; called only as `name = build(...)` statements of
+this file (for a builder also `self.model = build(...)` and `x = obj.setup(...)`), and neither exported (`__all__`)
+nor imported by another file of the program; a caller's name that its own function returns is followed the same
+way. Anything else, and the calls on the model may be anywhere: `return FSDP(...)` then stays FSDP1 (reported, and
+the file with it); a model bound to a name first is sharded as before, its callers' names unknown to the rewrite.
+A file migrated alone cannot see the files that import it: `__all__` is the only sign of them it reads."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import libcst as cst
+from libcst.metadata import CodeRange
+
+from .reorder import names_in
+from .report import Finding
+
+Parents = Mapping[cst.CSTNode, cst.CSTNode]
 
 
 @dataclass(frozen=True)
@@ -23,8 +38,11 @@ class Sites:
 
     def target(self, statement: cst.SimpleStatementLine) -> str:
         assign = statement.body[0]
-        assert isinstance(assign, cst.Assign) and isinstance(assign.targets[0].target, cst.Name)
-        return assign.targets[0].target.value
+        assert isinstance(assign, cst.Assign) and isinstance(assign.targets[0].target, (cst.Name, cst.Attribute))
+        return cst.Module([]).code_for_node(assign.targets[0].target)
+
+    def targets(self) -> list[tuple[cst.SimpleStatementLine, str]]:
+        return [(s, self.target(s)) for s in self.statements]
 
 
 class _Returns(cst.CSTVisitor):
@@ -63,46 +81,231 @@ class _Mentions(cst.CSTVisitor):
             self.found.append(node)
 
 
-def returned(
-    statement: cst.SimpleStatementLine, model: str, parents: Mapping[cst.CSTNode, cst.CSTNode], module: cst.Module
-) -> Sites | str | None:
-    """The call sites the model set by `statement` is returned to; None where the function holding the setter does
-    not return it (nothing to follow); a reason where it does and the text does not show where it goes."""
+def _function(statement: cst.BaseStatement, parents: Parents) -> cst.FunctionDef | None:
+    """The function whose body holds `statement` directly."""
     owner = parents.get(statement)
     function = parents.get(owner) if isinstance(owner, cst.IndentedBlock) else None
-    if not isinstance(function, cst.FunctionDef):
-        return None
-    returns = _Returns(function)
-    function.visit(returns)
-    values = [r.value for r in returns.returns]
-    if not any(isinstance(v, cst.Name) and v.value == model for v in values):
-        return None
-    name = function.name.value
+    return function if isinstance(function, cst.FunctionDef) else None
+
+
+def _class_of(function: cst.FunctionDef, parents: Parents, module: cst.Module) -> cst.ClassDef | None:
+    """The module-level class `function` is a method of."""
+    owner = parents.get(parents.get(function) or function)
+    return owner if isinstance(owner, cst.ClassDef) and parents.get(owner) is module else None
+
+
+def _shape(function: cst.FunctionDef, returns: _Returns) -> str | None:
+    """Why the one return of `function` is not the last statement of its body (None: it is)."""
     body = list(function.body.body) if isinstance(function.body, cst.IndentedBlock) else []
     last = body[-1] if body else None
-    if parents.get(function) is not module or function.decorators or returns.yields:
-        return f"`{name}` returns `{model}` but is not a plain module-level function"
-    if len(values) != 1 or not (isinstance(last, cst.SimpleStatementLine) and last.body[0] is returns.returns[0]):
-        return f"`{name}` returns in more than one place, or not at the end of its body"
+    if len(returns.returns) != 1 or not (
+        isinstance(last, cst.SimpleStatementLine) and last.body[0] is returns.returns[0]
+    ):
+        return f"`{function.name.value}` returns in more than one place, or not at the end of its body"
+    return None
+
+
+def _sites(
+    function: cst.FunctionDef,
+    what: str,
+    parents: Parents,
+    module: cst.Module,
+    exported: Mapping[str, str],
+    builder: bool,
+) -> Sites | str:
+    """Each `target = function(...)` statement of the file, or why the text does not show every place the result
+    goes. `builder`: a method too (called as `target = obj.method(...)`), and `self.model = ...` targets (the setter's
+    calls must follow their target in its block, which an attribute's would not show)."""
+    name = function.name.value
+    cls = _class_of(function, parents, module) if builder else None
+    if function.decorators or _yields(function) or (parents.get(function) is not module and cls is None):
+        kind = "module-level function or method" if builder else "module-level function"
+        return f"`{name}` returns {what} but is not a plain {kind}"
+    public = cls.name.value if cls is not None else name
+    if public in exported or ("*" in exported and not public.startswith("_")):
+        where = exported.get(public) or exported["*"]
+        whose = f" (its `{name}` returns {what})" if cls is not None else f", which returns {what},"
+        return f"`{public}`{whose} is {where}: the calls made there are not followed"
+    call = f"obj.{name}" if cls is not None else name
     mentions = _Mentions(name)
     module.visit(mentions)
     sites = []
     for found in mentions.found:
         if found is function.name:
             continue
-        call = parents.get(found)
-        assign = parents.get(call) if isinstance(call, cst.Call) and call.func is found else None
+        callee: cst.CSTNode = found
+        attribute = parents.get(found)
+        if cls is not None and isinstance(attribute, cst.Attribute) and attribute.attr is found:
+            callee = attribute
+        called = parents.get(callee)
+        assign = parents.get(called) if isinstance(called, cst.Call) and called.func is callee else None
         line = parents.get(assign) if isinstance(assign, cst.Assign) else None
+        target = assign.targets[0].target if isinstance(assign, cst.Assign) and len(assign.targets) == 1 else None
         if not (
-            isinstance(assign, cst.Assign)
-            and len(assign.targets) == 1
-            and isinstance(assign.targets[0].target, cst.Name)
+            (callee is not found) == (cls is not None)
+            and (isinstance(target, cst.Name) or (builder and isinstance(target, cst.Attribute)))
             and isinstance(line, cst.SimpleStatementLine)
             and len(line.body) == 1
             and isinstance(parents.get(line), (cst.IndentedBlock, cst.Module))
         ):
-            return f"`{name}`, which returns `{model}`, is used other than as `name = {name}(...)`"
+            return f"`{name}`, which returns {what}, is used other than as `name = {call}(...)`"
         sites.append(line)
     if not sites:
-        return f"`{name}` returns `{model}` and is not called in this file: its callers' state-dict calls are elsewhere"
+        return f"`{name}` returns {what} and is not called in this file: its callers' calls are elsewhere"
     return Sites(name, tuple(sites))
+
+
+def _yields(function: cst.FunctionDef) -> bool:
+    found = _Returns(function)
+    function.visit(found)
+    return found.yields
+
+
+def returned(
+    statement: cst.SimpleStatementLine,
+    model: str,
+    parents: Parents,
+    module: cst.Module,
+    exported: Mapping[str, str] | None = None,
+    builder: bool = False,
+) -> Sites | str | None:
+    """The call sites the model bound (or set) by `statement` is returned to; None where the function holding it
+    does not return it (nothing to follow); a reason where it does and the text does not show where it goes."""
+    function = _function(statement, parents)
+    if function is None:
+        return None
+    returns = _Returns(function)
+    function.visit(returns)
+    if not any(isinstance(r.value, cst.Name) and r.value.value == model for r in returns.returns):
+        return None
+    shape = _shape(function, returns)
+    return shape or _sites(function, f"`{model}`", parents, module, exported or {}, builder)
+
+
+def exported_names(module: cst.Module) -> dict[str, str]:
+    """The names a module-level `__all__ = [...]` (or `+=`) lists -> where, for a finding's wording."""
+    found: dict[str, str] = {}
+    for statement in module.body:
+        small = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
+        targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else []
+        if isinstance(small, cst.AugAssign):
+            targets = [small.target]
+        if not any(isinstance(t, cst.Name) and t.value == "__all__" for t in targets):
+            continue
+        value = small.value if isinstance(small, (cst.Assign, cst.AugAssign)) else None
+        for element in value.elements if isinstance(value, (cst.List, cst.Tuple, cst.Set)) else ():
+            if isinstance(element.value, cst.SimpleString) and isinstance(element.value.evaluated_value, str):
+                found[element.value.evaluated_value] = "exported by `__all__`, so other files may call it"
+    return found
+
+
+@dataclass
+class Builders:
+    """The file's functions that build and return a wrapped model, as the rewriter needs them."""
+
+    returned: dict[cst.Call, str] = field(default_factory=dict)  # `return FSDP(...)` mapped -> the module's name
+    models: set[str] = field(default_factory=set)  # the callers' names (code) the wrapped model is bound to
+    # the FSDP(...) calls in an expression, which stay FSDP1's -> the finding's (what, why)
+    refused: dict[cst.Call, tuple[str, str]] = field(default_factory=dict)
+
+    def returning(self, statement: cst.BaseSmallStatement) -> tuple[str, cst.Call] | None:
+        """For a mapped `return FSDP(...)`: the module's name and the call."""
+        value = statement.value if isinstance(statement, cst.Return) else None
+        return (self.returned[value], value) if isinstance(value, cst.Call) and value in self.returned else None
+
+    def findings(self, positions: Mapping[cst.CSTNode, CodeRange]) -> list[Finding]:
+        return [Finding(positions[c].start.line, what, why, _FIX) for c, (what, why) in self.refused.items()]
+
+
+# why a result the text does not follow stays FSDP1's, after the finding's own reason
+_UNFOLLOWED = (
+    "the calls made on the model are then on objects this file does not name as it, and would be left as written "
+    "under FSDP2 (`state_dict()`: FSDP1's full state dict, each rank's DTensor shards under FSDP2)"
+)
+_FIX = (
+    "bind it to a name in a statement of its own (`model = FSDP(...)`), or have each caller bind the function's result "
+    "to a name (`model = build(...)`), then migrate again"
+)
+_EXPRESSION = (
+    "`FSDP(...)` used as an expression",
+    "its result is not bound to a name by a statement of its own (`model = FSDP(...)`) nor returned to callers that "
+    f"each bind it to one (`model = build(...)`): {_UNFOLLOWED}",
+)
+
+
+def builders(
+    calls: Iterable[cst.Call],
+    constructions: Mapping[cst.Call, str],
+    parents: Parents,
+    module: cst.Module,
+    exported: Mapping[str, str],
+) -> Builders:
+    """`calls`: every FSDP(...) of the file; `constructions`: those that are `target = FSDP(...)` statements."""
+    out = Builders()
+    for call in calls:
+        if call in constructions:  # sharded as before; its callers' names known only when all are plain
+            statement = parents.get(parents.get(call) or call)
+            if isinstance(statement, cst.SimpleStatementLine):
+                _follow(statement, constructions[call], parents, module, exported, out.models)
+            continue
+        ret = parents.get(call)
+        function = _enclosing(call, parents) if isinstance(ret, cst.Return) else None
+        if function is None:
+            out.refused[call] = _EXPRESSION
+            continue
+        returns = _Returns(function)
+        function.visit(returns)
+        sites = _shape(function, returns) or _sites(function, "`FSDP(...)`", parents, module, exported, True)
+        models: set[str] = set()
+        reason = sites if isinstance(sites, str) else None
+        for site, target in sites.targets() if isinstance(sites, Sites) else ():
+            models.add(target)
+            reason = reason or _follow(site, target, parents, module, exported, models)
+        if reason is not None:
+            out.refused[call] = (f"`return FSDP(...)` in `{function.name.value}`", f"{reason}; {_UNFOLLOWED}")
+            continue
+        out.returned[call] = _name_for(call, function)
+        out.models |= models
+    return out
+
+
+def _enclosing(node: cst.CSTNode, parents: Parents) -> cst.FunctionDef | None:
+    while node in parents and not isinstance(node, cst.FunctionDef):
+        node = parents[node]
+    return node if isinstance(node, cst.FunctionDef) else None
+
+
+def _follow(
+    statement: cst.SimpleStatementLine,
+    name: str,
+    parents: Parents,
+    module: cst.Module,
+    exported: Mapping[str, str],
+    models: set[str],
+) -> str | None:
+    """The names the model bound to `name` by `statement` reaches through `name = function(...)` returns, added to
+    `models`; why it also reaches places the text does not show (None: it does not)."""
+    pending, seen = [(statement, name)], set()
+    while pending:
+        statement, name = pending.pop()
+        if id(statement) in seen:
+            continue
+        seen.add(id(statement))
+        sites = returned(statement, name, parents, module, exported, builder=True)
+        if isinstance(sites, str):
+            return sites
+        if sites is None:
+            continue
+        for site, target in sites.targets():
+            models.add(target)
+            pending.append((site, target))
+    return None
+
+
+def _name_for(call: cst.Call, function: cst.FunctionDef) -> str:
+    """The name the module of `return FSDP(module, ...)` is sharded under: its own, else a name the function lacks."""
+    first = next((a.value for a in call.args if a.keyword is None or a.keyword.value == "module"), None)
+    if isinstance(first, (cst.Name, cst.Attribute)):
+        return cst.Module([]).code_for_node(first)
+    used = names_in(function)
+    return next(n for n in ("model", "fsdp_model", *(f"fsdp_model_{i}" for i in range(1, 100))) if n not in used)

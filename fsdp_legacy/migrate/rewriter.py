@@ -20,6 +20,7 @@ from .partials import ClassValues
 from .rehome import Rehome
 from .removal import RemoveStatements as _RemoveStatements
 from .report import MigrationResult
+from .returned_model import exported_names
 from .sharded_resume import ShardedResume
 from .state_dict_type import SetTypes
 from .subclasses import Subclasses, kept_constructions, kept_type_blocks, refusals
@@ -47,7 +48,9 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     survey = Survey()
     wrapper.visit(survey)
     bindings = Bindings(wrapper)
-    set_types = SetTypes(code, bindings)
+    exported = {**exported_names(wrapper.module), **facts.read_elsewhere}  # callers elsewhere are not followed
+    survey.follow_builders(bindings.parents, wrapper.module, exported)
+    set_types = SetTypes(code, bindings, exported)
     wrapper.visit(set_types)
     if set_types.findings:  # a state-dict type it cannot follow: the whole file stays FSDP1 (state_dict_type.py)
         return MigrationResult(source, source, sorted(set_types.findings, key=lambda f: f.line))
@@ -79,11 +82,11 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
         tree = tree.visit(Rehome())  # the FSDP1 values it keeps, from fsdp_legacy (rehome.py)
     internals = Internals()
     wrapper.visit(internals)
-    reported = [*transformer.findings, *internals.findings()]
-    finder = LeftoverFinder(transformer.consumed, {f.line for f in reported})
+    positions = wrapper.resolve(PositionProvider)
+    reported = [*transformer.findings, *internals.findings(), *survey.builders.findings(positions)]
+    finder = LeftoverFinder(transformer.consumed | set(survey.builders.refused), {f.line for f in reported})
     wrapper.visit(finder)
     findings = sorted(reported + finder.findings, key=lambda f: f.line)
-    positions = wrapper.resolve(PositionProvider)
     kept = frozenset(positions[c].start.line for c in survey.fsdp_calls if c not in transformer.migrated_calls)
     values = ClassValues(transformer.consumed)  # FSDP1's class handed on (`partial(FSDP, ...)`, `wrapper = FSDP`)
     wrapper.visit(values)  # and left: it builds FSDP1 models too

@@ -12,7 +12,7 @@ fails."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -86,10 +86,11 @@ class SetTypes(cst.CSTVisitor):
 
     METADATA_DEPENDENCIES = (QualifiedNameProvider, ParentNodeProvider, PositionProvider)
 
-    def __init__(self, code: Code, bindings: Bindings) -> None:
+    def __init__(self, code: Code, bindings: Bindings, exported: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.code = code
         self.bindings = bindings
+        self.exported = exported or {}  # names other files may call (returned_model.py does not follow there)
         self.setters: dict[str, list[cst.Call]] = {}
         self.uses: dict[str, list[cst.Call]] = {}
         self.explicit: list[str | None] = []  # the models of the state_dict_type blocks around the node visited
@@ -152,7 +153,7 @@ class SetTypes(cst.CSTVisitor):
             )
         sites: Sites | str | None = None
         if why is None and statement is not None:
-            sites = returned(statement, model, self.bindings.parents, self.module)
+            sites = returned(statement, model, self.bindings.parents, self.module, self.exported)
             if isinstance(sites, Sites):  # the caller's calls on what it receives take the type too
                 uses = uses + [
                     u for s in sites.statements if sites.target(s) != model for u in self.uses.get(sites.target(s), [])

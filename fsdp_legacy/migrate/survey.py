@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 import libcst as cst
@@ -11,6 +11,7 @@ from libcst.metadata import QualifiedNameProvider
 
 from .names import FSDP1_IMPORT_MODULES, fsdp1_name
 from .partials import is_fsdp_partial
+from .returned_model import Builders, Parents, builders
 
 _FSDP = "FullyShardedDataParallel"
 _AC = "apply_activation_checkpointing"
@@ -40,6 +41,7 @@ class Survey(cst.CSTVisitor):
         self.fsdp_calls: list[cst.Call] = []  # every FSDP(...) call
         self.constructions: dict[cst.Call, str] = {}  # those the rewriter maps: `target = FSDP(...)` -> target
         self.fsdp_partials: list[cst.Call] = []  # every `partial(FSDP, ...)` (partials.py)
+        self.builders = Builders()  # functions returning the wrapped model to their callers (follow_builders)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         """A function that only applies activation checkpointing (besides local names, prints and its docstring)
@@ -99,6 +101,13 @@ class Survey(cst.CSTVisitor):
 
     def _is_fsdp(self, node: cst.CSTNode) -> bool:
         return any(fsdp1_name(q.name) == _FSDP for q in self.get_metadata(QualifiedNameProvider, node, set()))
+
+    def follow_builders(self, parents: Parents, module: cst.Module, exported: Mapping[str, str]) -> None:
+        """After the visit: the names callers bind a returned wrapped model to are models too, and each mapped
+        `return FSDP(...)` a construction (returned_model.py)."""
+        self.builders = builders(self.fsdp_calls, self.constructions, parents, module, exported)
+        self.models |= self.builders.models
+        self.constructions.update(self.builders.returned)
 
     def value_of(self, node: cst.BaseExpression) -> cst.BaseExpression:
         """A name the file assigns exactly once, as its value; anything else as it is."""

@@ -146,6 +146,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 return self._construction(original, updated, self.code(target), call)
             if optim_state.api_of(self.fsdp1(call.func)) in optim_state.LOADS and isinstance(target, cst.Name):
                 self._load_def(original, updated, target.value, call)
+        if (returning := self.survey.builders.returning(small)) is not None:  # callers name it (returned_model.py)
+            return self._construction(original, updated, *returning)
         if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
             self._checkpointing(small.value, updated)
             now = updated.body[0]
@@ -236,6 +238,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         model = self.code(wrapped) if isinstance(wrapped, (cst.Name, cst.Attribute)) else target
         placed = Placed(model, target, len(built.statements), built.materializes)
         self.constructions[self._key(built.statements[0])] = placed
+        if isinstance(original.body[0], cst.Return):  # `return FSDP(...)`: the sharded module, after (not moved)
+            built.statements.append(cst.parse_statement(f"return {target}\n"))
         return cst.FlattenSentinel(built.statements)
 
     def _policy_factory(self, policy: cst.BaseExpression) -> None:
@@ -443,13 +447,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 return updated
             self.need(FSDP2, "MixedPrecisionPolicy")
             rewritten = precision.policy_call(updated)
-        elif name == "CPUOffload" and "cpu_offload" in self._at_run_time and not self._offload_literal(original):
-            self.consumed.add(original)  # FSDP1's, for fsdp1_options to read at run time
         elif name == "CPUOffload" and construction.offload_policy(original, self.code):
             policy = cast(str, construction.offload_policy(original, self.code))
             self.need(FSDP2, policy)
             RemoveImportsVisitor.remove_unused_import(self.context, FSDP2, policy)  # unused if its FSDP(...) goes
             rewritten = self.expr(f"{policy}()")
+        elif name == "CPUOffload" and "cpu_offload" in self._at_run_time:
+            self.consumed.add(original)  # FSDP1's (not a literal), for fsdp1_options to read at run time
         elif optim_state.api_of(name) is not None:
             rewritten = self._optim_call(cast(str, optim_state.api_of(name)), original)
         elif name == apply_call.API:
@@ -475,9 +479,6 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             return updated
         self.consumed.add(original)
         return rewritten
-
-    def _offload_literal(self, call: cst.Call) -> bool:
-        return construction.offload_policy(call, self.code) is not None
 
     @property
     def _at_run_time(self) -> frozenset[str]:
