@@ -8,9 +8,10 @@ included; sharded_resume.py the DCP recipe's load_sharded_optimizer_state_dict),
 MixedPrecision policies, apply_call.py FSDP1's `apply`, reorder.py moves statements around a construction, names.py
 knows the FSDP1 names; report.py words what could not be mapped, internals.py FSDP1's private modules. A file
 that must stay FSDP1 as a whole is left as it is: a subclass of FSDP1's class (subclasses.py), a state-dict type it
-cannot follow (returned_model.py follows one set where the model is built to its callers). program.py migrates the
-files of a program together (facts.py: what the other files tell one file; policies.py: MixedPrecision policies
-shared between files), rewriter.py drives one file, transformer.py is its LibCST transformer.
+cannot follow (returned_model.py follows a model a function builds and returns, and a type set there, to its
+callers). program.py migrates the files of a program together (facts.py: what the other files tell one file;
+policies.py: MixedPrecision policies shared between files, and who imports what), rewriter.py drives one file,
+transformer.py is its LibCST transformer.
 
 runtime.py (with optim_runtime.py) holds the helpers migrated programs import: apply_fully_shard (an FSDP1 auto-wrap
 policy's units sharded with `fully_shard`, meta modules materialized as FSDP1 does), full_params (summon_full_params

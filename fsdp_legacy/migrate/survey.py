@@ -39,7 +39,8 @@ class Survey(cst.CSTVisitor):
         self.functions: dict[str, list[cst.FunctionDef]] = {}  # every def of the file (any depth), by name
         self.meta = False
         self.fsdp_calls: list[cst.Call] = []  # every FSDP(...) call
-        self.constructions: dict[cst.Call, str] = {}  # those the rewriter maps: `target = FSDP(...)` -> target
+        # those the rewriter maps: `target = FSDP(...)` -> target, `return FSDP(...)` -> the module's name (builders)
+        self.constructions: dict[cst.Call, str] = {}
         self.fsdp_partials: list[cst.Call] = []  # every `partial(FSDP, ...)` (partials.py)
         self.builders = Builders()  # functions returning the wrapped model to their callers (follow_builders)
 
