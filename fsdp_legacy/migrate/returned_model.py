@@ -4,16 +4,20 @@
   ...); return model`) travels with the returned model: state_dict_type.py follows it to the calls after each
   `name = build(...)` (`returned`).
 - A function that builds and returns the model (`return FSDP(net, ...)`, or `model = FSDP(net, ...)` ... `return
-  model`) makes each caller's name a wrapped model (`builders`): the rewriter maps the construction and the calls on
-  those names as for a model wrapped in place (`model.state_dict()`, `model.clip_grad_norm_(...)`, `no_sync()`).
+  model`, or `return model, optim`) makes each caller's name a wrapped model (`builders`): the rewriter maps the
+  construction and the calls on those names as for a model wrapped in place (`model.state_dict()`,
+  `model.clip_grad_norm_(...)`, `no_sync()`).
 
 Followed only where the text shows every path: a function without decorators (module-level, or for a builder a
-method of a module-level class), whose one `return` ends its body; called only as `name = build(...)` statements of
-this file (for a builder also `self.model = build(...)` and `x = obj.setup(...)`), and neither exported (`__all__`)
-nor imported by another file of the program; a caller's name that its own function returns is followed the same
-way. Anything else, and the calls on the model may be anywhere: `return FSDP(...)` then stays FSDP1 (reported, and
-the file with it); a model bound to a name first is sharded as before, its callers' names unknown to the rewrite.
-A file migrated alone cannot see the files that import it: `__all__` is the only sign of them it reads."""
+method of a module-level class), whose one `return` ends its body and gives the model alone or as one name of a flat
+tuple; called only as `name = build(...)` statements of this file (`model, optim = build(...)` for a tuple; for a
+builder also `self.model = build(...)` and `x = obj.setup(...)`), and neither exported (`__all__`) nor imported by
+another file of the program; a caller's name that its own function returns is followed the same way. Anything else
+(the model in a dict, a list, a nested tuple or a call's arguments, a yield, bound inside a block), and the calls on
+the model may be anywhere: the construction then stays FSDP1 (reported, and the file with it); a function nothing
+in the file names or exports is not followed, its model sharded as before. Handed to a function of the file that
+returns none of its parameters (`return train(model, optim)`), the model does not leave with the result. A file
+migrated alone cannot see the files that import it: `__all__` is the only sign of them it reads."""
 
 from __future__ import annotations
 
@@ -35,11 +39,14 @@ class Sites:
 
     function: str
     statements: tuple[cst.SimpleStatementLine, ...]
+    position: int | None = None  # `return model, optim`: the model's place in the tuple the callers unpack
 
     def target(self, statement: cst.SimpleStatementLine) -> str:
         assign = statement.body[0]
-        assert isinstance(assign, cst.Assign) and isinstance(assign.targets[0].target, (cst.Name, cst.Attribute))
-        return cst.Module([]).code_for_node(assign.targets[0].target)
+        assert isinstance(assign, cst.Assign)
+        target = _element(assign.targets[0].target, self.position)
+        assert isinstance(target, (cst.Name, cst.Attribute))
+        return cst.Module([]).code_for_node(target)
 
     def targets(self) -> list[tuple[cst.SimpleStatementLine, str]]:
         return [(s, self.target(s)) for s in self.statements]
@@ -53,6 +60,7 @@ class _Returns(cst.CSTVisitor):
         self.root = root
         self.returns: list[cst.Return] = []
         self.yields = False
+        self.yielded: list[cst.BaseExpression] = []
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         return node is self.root
@@ -68,6 +76,8 @@ class _Returns(cst.CSTVisitor):
 
     def visit_Yield(self, node: cst.Yield) -> None:
         self.yields = True
+        if isinstance(node.value, cst.BaseExpression):
+            self.yielded.append(node.value)
 
 
 class _Mentions(cst.CSTVisitor):
@@ -112,10 +122,12 @@ def _sites(
     module: cst.Module,
     exported: Mapping[str, str],
     builder: bool,
+    shape: tuple[int, int] | None = None,
 ) -> Sites | str:
     """Each `target = function(...)` statement of the file, or why the text does not show every place the result
     goes. `builder`: a method too (called as `target = obj.method(...)`), and `self.model = ...` targets (the setter's
-    calls must follow their target in its block, which an attribute's would not show)."""
+    calls must follow their target in its block, which an attribute's would not show). `shape`: the model's place
+    in a returned tuple and the tuple's length, which each caller unpacks (`model, optim = build(...)`)."""
     name = function.name.value
     cls = _class_of(function, parents, module) if builder else None
     if function.decorators or _yields(function) or (parents.get(function) is not module and cls is None):
@@ -141,18 +153,33 @@ def _sites(
         assign = parents.get(called) if isinstance(called, cst.Call) and called.func is callee else None
         line = parents.get(assign) if isinstance(assign, cst.Assign) else None
         target = assign.targets[0].target if isinstance(assign, cst.Assign) and len(assign.targets) == 1 else None
+        bound = _unpacked(target, shape)
         if not (
             (callee is not found) == (cls is not None)
-            and (isinstance(target, cst.Name) or (builder and isinstance(target, cst.Attribute)))
+            and (isinstance(bound, cst.Name) or (builder and isinstance(bound, cst.Attribute)))
             and isinstance(line, cst.SimpleStatementLine)
             and len(line.body) == 1
             and isinstance(parents.get(line), (cst.IndentedBlock, cst.Module))
         ):
-            return f"`{name}`, which returns {what}, is used other than as `name = {call}(...)`"
+            form = f"name = {call}(...)" if shape is None else f"{_names(*shape)} = {call}(...)"
+            return f"`{name}`, which returns {what}, is used other than as `{form}`"
         sites.append(line)
     if not sites:
         return f"`{name}` returns {what} and is not called in this file: its callers' calls are elsewhere"
-    return Sites(name, tuple(sites))
+    return Sites(name, tuple(sites), None if shape is None else shape[0])
+
+
+def _uncalled(function: cst.FunctionDef, parents: Parents, module: cst.Module, exported: Mapping[str, str]) -> bool:
+    """Whether nothing in the file names `function` (but its def), nor exports it (it, or its class), nor decorates
+    it: its callers are in no file the tool is given."""
+    name = function.name.value
+    cls = _class_of(function, parents, module)
+    public = cls.name.value if cls is not None else name
+    if function.decorators or public in exported or ("*" in exported and not public.startswith("_")):
+        return False
+    mentions = _Mentions(name)
+    module.visit(mentions)
+    return all(found is function.name for found in mentions.found)
 
 
 def _yields(function: cst.FunctionDef) -> bool:
@@ -168,18 +195,34 @@ def returned(
     module: cst.Module,
     exported: Mapping[str, str] | None = None,
     builder: bool = False,
+    uncalled: bool = False,
 ) -> Sites | str | None:
     """The call sites the model bound (or set) by `statement` is returned to; None where the function holding it
     does not return it (nothing to follow); a reason where it does and the text does not show where it goes."""
-    function = _function(statement, parents)
+    function = _enclosing(statement, parents)
     if function is None:
         return None
     returns = _Returns(function)
     function.visit(returns)
-    if not any(isinstance(r.value, cst.Name) and r.value.value == model for r in returns.returns):
+    name = function.name.value
+    if uncalled and _uncalled(function, parents, module, exported or {}):
+        return None  # its callers, and what they do with the model, are outside what the tool is given
+    opaque = _opaque(module)
+    if any(_holds(value, model, opaque) for value in returns.yielded):
+        return f"`{name}` yields `{model}`"
+    if not any(r.value is not None and _holds(r.value, model, opaque) for r in returns.returns):
         return None
+    if _function(statement, parents) is not function:
+        return f"`{model}` is bound inside a block of `{name}`, which returns it"
     shape = _shape(function, returns)
-    return shape or _sites(function, f"`{model}`", parents, module, exported or {}, builder)
+    if shape is not None:
+        return shape
+    value = returns.returns[0].value
+    assert value is not None
+    place = _place(value, model, name, opaque)
+    if isinstance(place, str):
+        return place
+    return _sites(function, f"`{model}`", parents, module, exported or {}, builder, place)
 
 
 def exported_names(module: cst.Module) -> dict[str, str]:
@@ -223,8 +266,9 @@ _UNFOLLOWED = (
     "under FSDP2 (`state_dict()`: FSDP1's full state dict, each rank's DTensor shards under FSDP2)"
 )
 _FIX = (
-    "bind it to a name in a statement of its own (`model = FSDP(...)`), or have each caller bind the function's result "
-    "to a name (`model = build(...)`), then migrate again"
+    "bind it to a name in a statement of its own (`model = FSDP(...)`), return that name alone or in a tuple, and have "
+    "each caller bind the function's result to a name (`model = build(...)`, `model, optim = build(...)`), then "
+    "migrate again"
 )
 _EXPRESSION = (
     "`FSDP(...)` used as an expression",
@@ -243,10 +287,15 @@ def builders(
     """`calls`: every FSDP(...) of the file; `constructions`: those that are `target = FSDP(...)` statements."""
     out = Builders()
     for call in calls:
-        if call in constructions:  # sharded as before; its callers' names known only when all are plain
+        if call in constructions:  # sharded as before where it does not escape, or escapes to callers followed
             statement = parents.get(parents.get(call) or call)
+            found: set[str] = set()
             if isinstance(statement, cst.SimpleStatementLine):
-                _follow(statement, constructions[call], parents, module, exported, out.models)
+                why = _follow(statement, constructions[call], parents, module, exported, found, uncalled=True)
+                if why is not None:
+                    out.refused[call] = (f"`{constructions[call]} = FSDP(...)`", f"{why}; {_UNFOLLOWED}")
+                    continue
+            out.models |= found
             continue
         ret = parents.get(call)
         function = _enclosing(call, parents) if isinstance(ret, cst.Return) else None
@@ -282,16 +331,19 @@ def _follow(
     module: cst.Module,
     exported: Mapping[str, str],
     models: set[str],
+    uncalled: bool = False,
 ) -> str | None:
     """The names the model bound to `name` by `statement` reaches through `name = function(...)` returns, added to
-    `models`; why it also reaches places the text does not show (None: it does not)."""
+    `models`; why it also reaches places the text does not show (None: it does not). `uncalled`: a function called
+    nowhere, exported nowhere and imported by no file of the program is no such place (sharded as before, its
+    callers outside what the tool is given, as for any name a file migrated alone defines)."""
     pending, seen = [(statement, name)], set()
     while pending:
         statement, name = pending.pop()
         if id(statement) in seen:
             continue
         seen.add(id(statement))
-        sites = returned(statement, name, parents, module, exported, builder=True)
+        sites = returned(statement, name, parents, module, exported, builder=True, uncalled=uncalled)
         if isinstance(sites, str):
             return sites
         if sites is None:
@@ -309,3 +361,93 @@ def _name_for(call: cst.Call, function: cst.FunctionDef) -> str:
         return cst.Module([]).code_for_node(first)
     used = names_in(function)
     return next(n for n in ("model", "fsdp_model", *(f"fsdp_model_{i}" for i in range(1, 100))) if n not in used)
+
+
+# calls whose result is never the module handed to them: the model in their arguments does not leave with the result
+_OPAQUE = frozenset({"len", "isinstance", "print", "str", "repr", "id", "hash", "type", "bool", "int", "float"})
+
+
+def _is(node: cst.CSTNode, model: str) -> bool:
+    return isinstance(node, (cst.Name, cst.Attribute)) and (
+        cst.Module([]).code_for_node(node.with_changes(lpar=[], rpar=[])) == model
+    )
+
+
+def _holds(node: cst.CSTNode, model: str, opaque: frozenset[str] = _OPAQUE) -> bool:
+    """Whether the value `node` may be, or hold, the model bound to `model`: its attributes (`model.state_dict()`),
+    its forward (`model(x)`) and the calls named in `opaque` are other values; any other call it is handed to may
+    return it."""
+    if _is(node, model):
+        return True
+    if isinstance(node, cst.Attribute):
+        return False
+    if isinstance(node, cst.Call):
+        named = isinstance(node.func, cst.Name) and node.func.value in opaque
+        return not named and any(_holds(a.value, model, opaque) for a in node.args)
+    if isinstance(node, cst.Subscript):
+        return _holds(node.value, model, opaque)
+    return any(_holds(child, model, opaque) for child in node.children)
+
+
+def _opaque(module: cst.Module) -> frozenset[str]:
+    """The builtins above, and the file's module-level functions (one def, no decorators) whose returns and yields
+    hold none of their parameters: `return train(model, optim)` returns train's losses, not the model."""
+    defs: dict[str, list[cst.FunctionDef]] = {}
+    for statement in module.body:
+        if isinstance(statement, cst.FunctionDef):
+            defs.setdefault(statement.name.value, []).append(statement)
+    found = set(_OPAQUE) - set(defs)
+    for name, (function, *more) in defs.items():
+        returns = _Returns(function)
+        function.visit(returns)
+        values = [r.value for r in returns.returns if r.value is not None] + returns.yielded
+        params = [
+            p.name.value
+            for p in (*function.params.posonly_params, *function.params.params, *function.params.kwonly_params)
+        ]
+        star = isinstance(function.params.star_arg, cst.Param) or function.params.star_kwarg is not None
+        if not (more or function.decorators or star) and not any(_holds(v, p) for v in values for p in params):
+            found.add(name)
+    return frozenset(found)
+
+
+def _place(
+    value: cst.BaseExpression, model: str, function: str, opaque: frozenset[str]
+) -> tuple[int, int] | None | str:
+    """Where `return value` puts the model: the whole value (None), one element of a flat tuple (its index and the
+    tuple's length), or why it is neither."""
+    if _is(value, model):
+        return None
+    elements = value.elements if isinstance(value, cst.Tuple) else ()
+    at = [i for i, e in enumerate(elements) if _is(e.value, model)]
+    flat = not any(isinstance(e, cst.StarredElement) for e in elements)
+    if len(at) == 1 and flat and not any(_holds(e.value, model, opaque) for i, e in enumerate(elements) if i != at[0]):
+        return at[0], len(elements)
+    code = cst.Module([]).code_for_node(value)
+    code = code if len(code) <= 60 else code[:57] + "..."
+    return (
+        f"`{function}` returns `{model}` in `{code}`, which is not followed to its callers (only `return {model}`, "
+        "or a tuple of names each caller unpacks)"
+    )
+
+
+def _unpacked(target: cst.BaseAssignTargetExpression | None, shape: tuple[int, int] | None) -> cst.CSTNode | None:
+    """A caller's target for the model: the whole target, or its element at the model's place in the tuple it
+    unpacks (None: the target is not such a tuple)."""
+    if shape is None or target is None:
+        return target
+    elements = target.elements if isinstance(target, (cst.Tuple, cst.List)) else ()
+    if len(elements) != shape[1] or any(isinstance(e, cst.StarredElement) for e in elements):
+        return None
+    return elements[shape[0]].value
+
+
+def _element(target: cst.BaseAssignTargetExpression, position: int | None) -> cst.CSTNode:
+    if position is None:
+        return target
+    assert isinstance(target, (cst.Tuple, cst.List))
+    return target.elements[position].value
+
+
+def _names(position: int, length: int) -> str:
+    return ", ".join("model" if i == position else "_" for i in range(length))

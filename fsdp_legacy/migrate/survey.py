@@ -109,6 +109,8 @@ class Survey(cst.CSTVisitor):
         self.builders = builders(self.fsdp_calls, self.constructions, parents, module, exported)
         self.models |= self.builders.models
         self.constructions.update(self.builders.returned)
+        for call in self.builders.refused:  # a model escaping where the text does not follow: it stays FSDP1's
+            self.constructions.pop(call, None)
 
     def value_of(self, node: cst.BaseExpression) -> cst.BaseExpression:
         """A name the file assigns exactly once, as its value; anything else as it is."""

@@ -142,7 +142,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             self.dropped[self._key(updated)] = [note + " take its options"]
         if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.value, cst.Call):
             target, call = small.targets[0].target, small.value
-            if self.fsdp1(call.func) == _FSDP:
+            if self.fsdp1(call.func) == _FSDP and call not in self.survey.builders.refused:  # (returned_model.py)
                 return self._construction(original, updated, self.code(target), call)
             if optim_state.api_of(self.fsdp1(call.func)) in optim_state.LOADS and isinstance(target, cst.Name):
                 self._load_def(original, updated, target.value, call)
