@@ -1,0 +1,101 @@
+"""What the runtime fuzzer (test_fuzz_runtime.py) found, each reduced to a small program run side by side with torch's
+FSDP1 (the oracle), compared bit for bit:
+
+- A state dict saved, or loaded, before the first forward: torch's FSDP1 lazily initialises there, which casts the
+  buffers to MixedPrecision.buffer_dtype, so the saved buffers hold values rounded through that dtype (ours saved the
+  untouched values: seed 8 of the first campaign).
+- NO_SHARD with keep_low_precision_grads and a reduce_dtype other than the compute dtype: torch's gradient stays in
+  the reduce dtype it was all-reduced in (as its docs say: "the dtype used for gradient reduction"); ours cast it to
+  the compute dtype (seed 5)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from parameterized import parameterized
+from torch import nn
+
+from runtime_fuzz import first_difference
+from torch_side_by_side import _FSDP, _run_both
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("shift", torch.randn(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.shift.to(x.dtype)
+
+
+def _assert_same_as_torch(check: Any, *args: Any) -> list[Any]:
+    results = _run_both(check, *args)
+    for rank, result in enumerate(results):
+        found = first_difference(result["ours"], result["torch"], f"rank {rank}")
+        assert found is None, found
+    return [result["torch"] for result in results]
+
+
+def _saved_before_forward(kind: str) -> dict[str, Any]:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    policy = fsdp.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    model = _FSDP(_WithBuffer(), mixed_precision=policy)
+    seen: dict[str, Any] = {"buffer dtype": str(model.shift.dtype)}
+    state_dict_type = getattr(fsdp.StateDictType, f"{kind}_STATE_DICT")
+    with fsdp.FullyShardedDataParallel.state_dict_type(model, state_dict_type):
+        saved = model.state_dict()
+    seen["saved"] = {k: v for k, v in saved.items() if k == "shift"}
+    seen["buffer dtype after saving"] = str(model.shift.dtype)
+    fresh = _FSDP(_WithBuffer(), mixed_precision=policy)
+    with fsdp.FullyShardedDataParallel.state_dict_type(fresh, state_dict_type):
+        fresh.load_state_dict({**saved, "shift": torch.full((3,), 1 / 3, dtype=torch.float64)})
+    seen["loaded buffer"] = fresh.shift.clone()
+    return seen
+
+
+@parameterized.expand([("FULL",), ("SHARDED",)])
+def test_a_dict_saved_before_forward_holds_buffers_cast_as_torch(kind: str) -> None:
+    for observed in _assert_same_as_torch(_saved_before_forward, kind):
+        assert observed["buffer dtype after saving"] == "torch.bfloat16", observed
+        saved = observed["saved"]["shift"]
+        assert saved.dtype == torch.float64 and torch.equal(saved, saved.to(torch.bfloat16).double()), observed
+        assert observed["loaded buffer"].dtype == torch.bfloat16, observed
+
+
+def _no_shard_low_precision_grads(use_orig_params: bool, param_dtype: str | None, reduce_dtype: str) -> list[Any]:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    policy = fsdp.MixedPrecision(
+        param_dtype=getattr(torch, param_dtype) if param_dtype else None,
+        reduce_dtype=getattr(torch, reduce_dtype),
+        keep_low_precision_grads=True,
+    )
+    model = _FSDP(
+        nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2)),
+        sharding_strategy=fsdp.ShardingStrategy.NO_SHARD,
+        mixed_precision=policy,
+        use_orig_params=use_orig_params,
+    )
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+    for step in range(3):
+        for _ in range(2):  # the second backward accumulates into the kept low-precision gradient
+            x = torch.randn(4, 3) + torch.distributed.get_rank() + step
+            model(x).float().pow(2).sum().backward()
+            seen.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optim.step()
+        optim.zero_grad(set_to_none=step % 2 == 0)  # kept zeroed gradients too
+        seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return seen
+
+
+@parameterized.expand(
+    [(uop, param, reduce) for uop in (False, True) for param, reduce in ((None, "bfloat16"), ("bfloat16", "float32"))]
+)
+def test_no_shard_keeps_low_precision_grads_in_the_reduce_dtype_as_torch(
+    use_orig_params: bool, param_dtype: str | None, reduce_dtype: str
+) -> None:
+    for observed in _assert_same_as_torch(_no_shard_low_precision_grads, use_orig_params, param_dtype, reduce_dtype):
+        assert all(g.dtype == getattr(torch, reduce_dtype) for g in observed[0].values()), observed[0]
