@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 import torch
+import pytest
 from parameterized import parameterized
 from torch import nn
 
@@ -99,3 +100,74 @@ def test_no_shard_keeps_low_precision_grads_in_the_reduce_dtype_as_torch(
 ) -> None:
     for observed in _assert_same_as_torch(_no_shard_low_precision_grads, use_orig_params, param_dtype, reduce_dtype):
         assert all(g.dtype == getattr(torch, reduce_dtype) for g in observed[0].values()), observed[0]
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(3) + 0.5)
+        self.register_buffer("shift", torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.to(x.dtype) + self.shift.to(x.dtype)
+
+
+class _Unit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ignored, self.lin = _Scaled(), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.ignored(x))
+
+
+def _ignored_buffers_in_a_nested_unit() -> dict[str, str]:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    wrap = importlib.import_module("torch.distributed.fsdp.wrap")
+    net = nn.Sequential(_Unit(), nn.Linear(3, 3))
+    model = _FSDP(
+        net,
+        mixed_precision=fsdp.MixedPrecision(buffer_dtype=torch.float16),
+        ignored_modules=[net[0].ignored],
+        auto_wrap_policy=wrap.ModuleWrapPolicy({_Unit}),
+    )
+    model(torch.randn(2, 3))
+    return {name.rsplit(".", 2)[-2]: str(buffer.dtype) for name, buffer in model.named_buffers()}
+
+
+def test_buffers_of_modules_ignored_inside_nested_units_stay_as_they_are() -> None:
+    """torch's FSDP1 is wrong here (seed 91): it skips ignored buffers by their names relative to the root, but looks
+    them up in each unit's own names, so a module ignored inside a nested unit has its buffers cast to buffer_dtype.
+    Ours leaves ignored modules alone wherever they are (docs/compatibility.md)."""
+    for observed in _run_both(_ignored_buffers_in_a_nested_unit):
+        assert observed["torch"] == {"ignored": "torch.float16"}, observed  # torch's bug, as measured
+        assert observed["ours"] == {"ignored": "torch.float32"}, observed
+
+
+class _WithEmpty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.ones(5))
+        self.empty = nn.Parameter(torch.zeros(0))  # inside rank 0's range of the flat parameter
+        self.lin = nn.Linear(3, 3)
+        self.unused_empty = nn.Parameter(torch.zeros(0, 3))  # never used: a gradient all the same
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.empty.sum() + self.first.sum()
+
+
+def _grads_of_empty_parameters(strategy: str) -> dict[str, Any]:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    model = _FSDP(_WithEmpty(), sharding_strategy=getattr(fsdp.ShardingStrategy, strategy), use_orig_params=True)
+    model(torch.randn(2, 3)).sum().backward()
+    return {name.rsplit(".", 1)[-1]: p.grad for name, p in model.named_parameters()}
+
+
+@parameterized.expand([("NO_SHARD",), ("FULL_SHARD",), ("SHARD_GRAD_OP",)])
+def test_grads_of_parameters_without_elements_as_torch(strategy: str) -> None:
+    """Seeds 18 and 114: with use_orig_params=True a parameter without elements gets an empty gradient where torch's
+    FSDP1 counts it in the rank's shard (its offset strictly inside the rank's range), None elsewhere; ours gave
+    NO_SHARD's an empty gradient always and the sharded strategies' None always."""
+    observed = _assert_same_as_torch(_grads_of_empty_parameters, strategy)
+    assert observed[0]["empty"] is not None and observed[0]["empty"].shape == (0,), observed  # inside rank 0's
+    assert (observed[1]["empty"] is None) == (strategy != "NO_SHARD"), observed
