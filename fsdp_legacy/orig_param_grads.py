@@ -29,7 +29,7 @@ class OrigParamGrads:
     _compact_grad: torch.Tensor | None  # the buffer behind `_compact_views`, when ours
     _compact_views: dict[ParamInfo, torch.Tensor]  # the sharded gradient of each original parameter
 
-    def _has_grad_slot(self, info: ParamInfo) -> bool:
+    def has_grad_slot(self, info: ParamInfo) -> bool:
         """Whether the parameter's gradient is a tensor (else None), as torch FSDP1's `in_shard`: it overlaps this
         rank's range of the flat parameter. One without elements overlaps when its offset lies strictly inside the
         range (it then gets an empty gradient); under NO_SHARD the range is the whole flat parameter."""
@@ -80,7 +80,7 @@ class OrigParamGrads:
         flat_grad = self.flat_param.grad
         self._orig_grad_views = {}
         for info, param in self.orig_params.items():
-            has_data = self._has_grad_slot(info)
+            has_data = self.has_grad_slot(info)
             view = self._local_view(flat_grad, info) if flat_grad is not None and has_data else None
             if view is not None and not param.requires_grad:
                 view = None
@@ -104,7 +104,7 @@ class OrigParamGrads:
         elements on this rank."""
         slots = []
         for info, param in self.orig_params.items():
-            if not param.requires_grad or not self._has_grad_slot(info):
+            if not param.requires_grad or not self.has_grad_slot(info):
                 continue
             if not self.sharded:
                 slots.append((info, info.offset, info.numel))

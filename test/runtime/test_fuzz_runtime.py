@@ -17,7 +17,7 @@ from runtime_fuzz_cases import draw
 QUICK_SEEDS = range(100, 112)  # about 30 s on 2 CPU cores, the pool's start included
 
 
-def _campaign(seeds: range) -> tuple[list, str]:
+def _campaign(seeds: range | tuple[int, ...]) -> tuple[list, str]:
     outcomes = [run_seed(seed) for seed in seeds]
     report = "\n".join(o.line()[:1500] for o in outcomes if o.difference or o.torch_failed)
     different = [o for o in outcomes if o.difference is not None]
@@ -35,6 +35,17 @@ def test_a_seed_draws_one_case() -> None:
     assert ops == {"step", "no_sync", "eval", "summon", "save_load"}, ops
     assert any(c.tied for c in cases) and any(c.ignored for c in cases) and any(c.offload for c in cases)
     assert any(c.mixed_precision and c.mixed_precision[3] for c in cases)  # keep_low_precision_grads
+
+
+# Seeds whose cases once differed (test_fuzz_runtime_findings.py has each reduced): buffers saved before the first
+# forward (109), NO_SHARD's low-precision gradients (5), gradients and optimizer state of parameters without elements
+# (18, 114, 117, 48, 57). Their draws may change with the generator; the focused tests there stay.
+FOUND_SEEDS = (5, 18, 48, 57, 109, 114, 117)
+
+
+def test_the_seeds_that_found_differences_match_torch() -> None:
+    different, report = _campaign(FOUND_SEEDS)
+    assert not different, report
 
 
 def test_a_few_seeds_match_torch() -> None:

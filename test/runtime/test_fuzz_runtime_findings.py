@@ -14,12 +14,11 @@ import importlib
 from typing import Any
 
 import torch
-import pytest
 from parameterized import parameterized
 from torch import nn
 
 from runtime_fuzz import first_difference
-from torch_side_by_side import _FSDP, _run_both
+from torch_side_by_side import _FSDP, _run_both, _run_ours
 
 
 class _WithBuffer(nn.Module):
@@ -171,3 +170,21 @@ def test_grads_of_parameters_without_elements_as_torch(strategy: str) -> None:
     observed = _assert_same_as_torch(_grads_of_empty_parameters, strategy)
     assert observed[0]["empty"] is not None and observed[0]["empty"].shape == (0,), observed  # inside rank 0's
     assert (observed[1]["empty"] is None) == (strategy != "NO_SHARD"), observed
+
+
+def _clip_with_empty_grads(norm_type: float) -> dict[str, Any]:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    model = _FSDP(_WithEmpty(), sharding_strategy=fsdp.ShardingStrategy.FULL_SHARD, use_orig_params=True)
+    model(torch.randn(2, 3) + torch.distributed.get_rank()).sum().backward()
+    with fsdp.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        full = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    total = model.clip_grad_norm_(0.5, norm_type=norm_type)
+    return {"total": total, "expected": torch.linalg.vector_norm(torch.cat([g.flatten() for g in full]), norm_type)}
+
+
+@parameterized.expand([(float("inf"),), (2.0,)])
+def test_clip_grad_norm_with_empty_gradients(norm_type: float) -> None:
+    """Seed 117: once parameters without elements get empty gradients (as torch's), clip_grad_norm_(norm_type=inf)
+    raised (the inf norm of an empty tensor has no identity). Oracle: the norm of the full gradients."""
+    for observed in _run_ours(_clip_with_empty_grads, norm_type):
+        assert torch.allclose(observed["total"], observed["expected"]), observed
