@@ -17,7 +17,7 @@ import torch
 from parameterized import parameterized
 from torch import nn
 
-from runtime_fuzz import first_difference
+from runtime_fuzz import Linear, first_difference
 from torch_side_by_side import _FSDP, _run_both, _run_ours
 
 
@@ -188,3 +188,28 @@ def test_clip_grad_norm_with_empty_gradients(norm_type: float) -> None:
     raised (the inf norm of an empty tensor has no identity). Oracle: the norm of the full gradients."""
     for observed in _run_ours(_clip_with_empty_grads, norm_type):
         assert torch.allclose(observed["total"], observed["expected"]), observed
+
+
+class _ToFloat(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+def _cast_by_a_unit_without_parameters() -> dict[str, str]:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    wrap = importlib.import_module("torch.distributed.fsdp.wrap")
+    seen: dict[str, str] = {}
+    net = nn.Sequential(_ToFloat(), nn.LayerNorm(3, elementwise_affine=False), Linear(3, 3))
+    net[1].register_forward_pre_hook(lambda _, args: seen.__setitem__("norm input", str(args[0].dtype)))
+    policy = fsdp.MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True, cast_root_forward_inputs=False)
+    model = _FSDP(net, mixed_precision=policy, auto_wrap_policy=wrap.ModuleWrapPolicy({nn.LayerNorm}))
+    with torch.no_grad():
+        seen["output"] = str(model(torch.randn(2, 3)).dtype)
+    return seen
+
+
+def test_a_unit_without_parameters_does_not_cast_its_inputs_as_torch() -> None:
+    """Seed 327: with cast_forward_inputs=True torch's FSDP1 casts a unit's inputs only when it has a flat parameter:
+    a LayerNorm without affine parameters wrapped alone normalises its fp32 input in fp32 (ours cast it to bf16)."""
+    for observed in _assert_same_as_torch(_cast_by_a_unit_without_parameters):
+        assert observed == {"norm input": "torch.float32", "output": "torch.bfloat16"}, observed
