@@ -59,3 +59,13 @@ def test_a_campaign_matches_torch() -> None:
     seeds = range(0, 300)
     different, report = _campaign(seeds)
     assert not different, report
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the last campaign, not yet reduced or fixed: under no_sync (NO_SHARD, use_orig_params=True, an "
+    "ignored module beside) a trainable parameter without elements shown None where torch's shows an empty gradient",
+)
+def test_open_differences_match_torch() -> None:
+    different, report = _campaign((377,))
+    assert not different, report
