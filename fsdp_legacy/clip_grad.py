@@ -76,9 +76,15 @@ def _params_in_torch_order(
     return sharded, replicated
 
 
+def _normable(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """The inf norm of an empty tensor raises (a max over nothing); an empty gradient (a parameter without
+    elements) adds nothing to any norm, so it is left out there. Other norms keep it, as torch's do (its norm is 0)."""
+    return [g for g in grads if g.numel()] if math.isinf(norm_type) else grads
+
+
 def _grad_norm(params: list[nn.Parameter], norm_type: float, device: torch.device) -> torch.Tensor:
     """The p-norm of the gradients of `params` as one vector, in fp32: the norm of their norms."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = _normable([p.grad for p in params if p.grad is not None], norm_type)
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads])
@@ -186,6 +192,7 @@ def _tp_pieces(handles: list[FlatParamHandle]) -> tuple[dict[int, Callable], dic
 
 def _norm_power(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """sum(|g|^p) over `grads` (max |g| for p = inf), in fp32."""
+    grads = _normable(grads, norm_type)
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in grads])

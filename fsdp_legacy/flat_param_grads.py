@@ -208,7 +208,10 @@ class FlatParamGrads:
                 self.new_grad = output
         elif pending.output is not self.flat_param.grad:  # NO_SHARD reduced in another dtype: back into .grad
             assert self.flat_param.grad is not None
-            self.flat_param.grad.copy_(pending.output)
+            if pending.output.dtype == self.grad_dtype != self.flat_param.grad.dtype:  # keep_low_precision_grads
+                assign_grad(self.flat_param, pending.output)
+            else:
+                self.flat_param.grad.copy_(pending.output)
 
     def _settle_grads(self) -> None:
         """End of backward, the unit resharded: this backward's reduced gradient added to the sharded gradient, which

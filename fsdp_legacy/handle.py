@@ -212,6 +212,8 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
     def _set_precision(self, dtype: torch.dtype) -> None:
         """What follows from the local shard's dtype and the compute dtype."""
         self.grad_dtype = self.compute_dtype if self.keep_low_precision_grads else dtype
+        if self.keep_low_precision_grads and not self.sharded and not self.offload:
+            self.grad_dtype = self.reduce_dtype  # torch's NO_SHARD skips the cast back: kept as all-reduced
         self.mixed = self.compute_dtype != dtype
         # Forward/backward use a separate unsharded buffer when sharded, low precision or offloaded (NO_SHARD in full
         # precision on the compute device computes on the flat parameter itself).

@@ -9,12 +9,14 @@ of the flat gradient. FlatParamHandle mixes this in; here is what follows the us
 import torch
 from torch import nn
 
-from .flat_param import FlatParameter, ParamInfo, ShardPiece
+from .flat_param import FlatParameter, FlatParamLayout, ParamInfo, ShardPiece
 
 
 class OrigParamGrads:
     # The handle's state this part reads and keeps (set by FlatParamHandle.__init__).
     sharded: bool
+    rank: int
+    layout: FlatParamLayout
     use_orig_params: bool
     grads_on_orig_params: bool
     local_shard: torch.Tensor
@@ -26,6 +28,16 @@ class OrigParamGrads:
     _orig_grad_views: dict[ParamInfo, torch.Tensor]
     _compact_grad: torch.Tensor | None  # the buffer behind `_compact_views`, when ours
     _compact_views: dict[ParamInfo, torch.Tensor]  # the sharded gradient of each original parameter
+
+    def has_grad_slot(self, info: ParamInfo) -> bool:
+        """Whether the parameter's gradient is a tensor (else None), as torch FSDP1's `in_shard`: it overlaps this
+        rank's range of the flat parameter. One without elements overlaps when its offset lies strictly inside the
+        range (it then gets an empty gradient); under NO_SHARD the range is the whole flat parameter."""
+        if info.numel:
+            return not self.sharded or info in self._local_pieces
+        lo = self.rank * self.layout.shard_numel if self.sharded else 0
+        hi = lo + self.layout.shard_numel if self.sharded else self.layout.numel
+        return lo < info.offset < hi
 
     def _local_view(self, flat: torch.Tensor, info: ParamInfo) -> torch.Tensor:
         if not self.sharded:
@@ -68,7 +80,7 @@ class OrigParamGrads:
         flat_grad = self.flat_param.grad
         self._orig_grad_views = {}
         for info, param in self.orig_params.items():
-            has_data = not self.sharded or info in self._local_pieces
+            has_data = self.has_grad_slot(info)
             view = self._local_view(flat_grad, info) if flat_grad is not None and has_data else None
             if view is not None and not param.requires_grad:
                 view = None
@@ -92,13 +104,15 @@ class OrigParamGrads:
         elements on this rank."""
         slots = []
         for info, param in self.orig_params.items():
-            if not param.requires_grad:
+            if not param.requires_grad or not self.has_grad_slot(info):
                 continue
             if not self.sharded:
                 slots.append((info, info.offset, info.numel))
             elif info in self._local_pieces:
                 piece = self._local_pieces[info]
                 slots.append((info, piece.offset_in_shard, piece.numel_in_shard))
+            else:  # no elements, inside this rank's range: an empty gradient
+                slots.append((info, 0, 0))
         return slots
 
     def _accumulate_compact(self, shard_grad: torch.Tensor) -> None:

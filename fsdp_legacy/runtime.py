@@ -68,7 +68,8 @@ class Runtime:
             args, kwargs = self._root_pre_forward(args, kwargs)
         set_training_state(unit, TrainingState.FORWARD_BACKWARD)
         mp = unit.mixed_precision
-        cast = mp.cast_forward_inputs or (unit is self.root and mp.cast_root_forward_inputs)
+        # (as torch's, a unit without parameters casts nothing: cast_forward_inputs follows the unit's handle)
+        cast = (mp.cast_forward_inputs and bool(unit._handles)) or (unit is self.root and mp.cast_root_forward_inputs)
         if mp.param_dtype is not None and cast and not self.full_precision_eval:
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(mp.param_dtype) if t.is_floating_point() else t, (args, kwargs)

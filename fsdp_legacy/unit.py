@@ -81,6 +81,10 @@ class FSDPUnit(nn.Module, _State):
         """Register the hook that reduces `handle`'s gradient, once its flat parameter requires grad (the wrapper's)."""
         raise NotImplementedError
 
+    def _lazy_init(self) -> Any:
+        """Decide the root and start the runtime, once (the wrapper's; returns its Runtime)."""
+        raise NotImplementedError
+
     def _cast_buffers(self, full_precision: bool = False) -> None:
         """Cast the floating-point buffers to MixedPrecision.buffer_dtype, or back to their own (the wrapper's)."""
         raise NotImplementedError

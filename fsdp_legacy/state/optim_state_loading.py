@@ -198,13 +198,14 @@ def _check_one_scalar(name: str, values: list[Any], fqns: list[str]) -> None:
 
 def _piece_local(handle: FlatParamHandle, info: ParamInfo, values: dict[str, Any]) -> dict[str, Any]:
     """use_orig_params=True: the part of each state this rank's shard holds, 1-D like the parameter; no state at all
-    when it holds no element (as torch's optimizer, which never saw a gradient for an empty parameter)."""
+    where the parameter's gradient is None (as torch's optimizer, which never saw one there): where the rank holds
+    none of it, or it has no elements and lies outside the rank's range (handle.has_grad_slot)."""
+    if not handle.has_grad_slot(info):
+        return {}
     if not handle.sharded:
         return {n: copy_scalar(v) if is_scalar(v) else v.detach().clone() for n, v in values.items()}
     piece = next((p for p in handle.layout.shard_pieces(handle.rank) if p.info is info), None)
-    if piece is None:
-        return {}
-    lo, hi = piece.start_in_param, piece.start_in_param + piece.numel_in_shard
+    lo, hi = (0, 0) if piece is None else (piece.start_in_param, piece.start_in_param + piece.numel_in_shard)
     return {n: copy_scalar(v) if is_scalar(v) else info.flatten(v)[lo:hi].clone() for n, v in values.items()}
 
 

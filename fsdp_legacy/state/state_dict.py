@@ -192,6 +192,9 @@ def effective_settings(unit: FSDPUnit) -> tuple[StateDictType, StateDictConfig]:
 
 
 def _pre_state_dict_hook(unit: FSDPUnit, prefix: str, keep_vars: bool) -> None:
+    # As torch's, saving lazily initialises: the first unit saved becomes a root and MixedPrecision.buffer_dtype
+    # casts the buffers (so a dict saved before any forward holds them rounded through that dtype, as torch's does).
+    unit._lazy_init()
     # use_orig_params: after zero_grad(set_to_none=True) the sharded gradients of the whole subtree are freed before
     # its first gather, as torch's FSDP1 frees them at the root (else the next forward would); nested units then find
     # nothing left to do.

@@ -63,6 +63,7 @@ def _pre_load_state_dict_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
+    unit._lazy_init()  # as torch's: loading before any forward casts the buffers to buffer_dtype first
     kind, _ = effective_settings(unit)
     wrapped = prefix + FSDP_PREFIX
     for key in [k for k in state_dict if k.startswith(prefix)]:  # checkpoint names -> this unit's module names
