@@ -13,21 +13,12 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import (
-    apply_call,
-    configs,
-    construction,
-    methods,
-    optim_state,
-    partials,
-    precision,
-    run_time_blocks,
-    summon,
-    unwrap,
-)
+from . import apply_call, configs, construction, optim_state, partials, precision, run_time_blocks, summon, unwrap
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .facts import FileFacts
 from .manual_wrap import ManualWrap
+from .methods import attribute as _fsdp1_attribute
+from .methods import rewrite as _method
 from .names import advice, fsdp1_name
 from .removal import bare as _bare
 from .reorder import Placed, bound_names, names_in, reorder
@@ -441,7 +432,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
         """`model.module`, FSDP1's wrapped module, is the model itself under FSDP2."""
-        methods.attribute(self, original)
+        _fsdp1_attribute(self, original)
         if original.attr.value == "module" and self.code(original.value) in self.survey.models:
             self.consumed.add(original)
             return updated.value
@@ -505,7 +496,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                     args=[updated.args[0], updated.args[1].with_changes(value=cst.Name("FSDPModule"))]
                 )
         elif isinstance(original.func, cst.Attribute):
-            rewritten = methods.rewrite(self, original, updated)
+            rewritten = _method(self, original, updated)
         if rewritten is None:
             return updated
         self.consumed.add(original)
