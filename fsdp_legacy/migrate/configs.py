@@ -30,6 +30,7 @@ class Config:
     drop: Binding | None = None
     rewrite: Binding | None = None
     helper: str = ""
+    named: Binding | None = None  # a literal config's name used by several blocks: out when every one goes
 
 
 def _bool(node: cst.BaseExpression) -> bool | None:
@@ -66,7 +67,7 @@ def read(
     if None not in literal.values():
         offload = literal.get("rank0_only", False) if full else literal.get("offload_to_cpu", offload_default)
         single = binding is not None and len(binding.uses) == 1
-        return Config(options_code(full, bool(offload)), drop=binding if single else None)
+        return Config(options_code(full, bool(offload)), drop=binding if single else None, named=binding)
     if binding is None or not isinstance(node, cst.Name):
         return None  # computed inline: evaluated where the block starts, which no call inside it can repeat
     return Config(node.value, rewrite=binding, helper=FULL_HELPER if full else SHARDED_HELPER)

@@ -131,6 +131,10 @@ def build(
         return out
     shard = _units(model, keywords.policy, code, fsdp1, resolve, parts, out, meta)
     out.at_run_time = frozenset(parts.at_run_time)
+    if keywords.policy is not None and isinstance(resolve(keywords.policy), (cst.Name, cst.Attribute)):
+        # a policy built where this file does not show (main_training's `wrapping_policy` from get_policies()):
+        # apply_fully_shard evaluates whatever FSDP1 policy it is, as FSDP1 does
+        out.at_run_time |= {"auto_wrap_policy"}
     if parts.buffer_dtype is not None:
         parts.post.append(
             f"for buffer in {model}.buffers():  # FSDP1's buffer_dtype: FSDP2 leaves buffers as they are\n"

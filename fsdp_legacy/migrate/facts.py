@@ -30,3 +30,10 @@ class FileFacts:
     # this file's names other files import (`*`: a star import of it) -> where, as a finding words it: a function
     # returning a wrapped model to callers there is not followed (returned_model.py)
     read_elsewhere: Mapping[str, str] = field(default_factory=dict)
+    # whether some file of the program calls set_state_dict_type: then a function's FSDP1 model outside its blocks
+    # may have any type, not FSDP1's default (methods.py)
+    state_dict_setters: bool = False
+    # the FSDP1 keywords constructions of the other files (that became fully_shard) read at run time: this file's
+    # MixedPrecision / CPUOffload values and policies may be what they read, FSDP1's as they are (fsdp1_options and
+    # apply_fully_shard take them)
+    run_time_reads: frozenset[str] = frozenset()

@@ -63,10 +63,14 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
     results: dict[str, MigrationResult] = {}
     forced: dict[str, str] = {}  # files left FSDP1 because they import from one that stays FSDP1 -> that file
     last: dict[str, tuple[FileFacts, MigrationResult]] = {}  # each file's facts and rewrite in the round before
+    setters = any("set_state_dict_type" in source for source in sources.values())  # (methods.py; any mention)
+    reads: frozenset[str] = frozenset()  # what the program's migrated constructions read at run time
     for _ in range(_ROUNDS):
         for path in wrappers:
             others = {n: w for n, w in every.items() if n not in defined[path]}
-            facts = FileFacts(others, shared.imported(path), shared.uses_of(path), shared.read_from(path))
+            facts = FileFacts(
+                others, shared.imported(path), shared.uses_of(path), shared.read_from(path), setters, reads
+            )
             if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
                 result = last[path][1]
             else:
@@ -76,7 +80,8 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
                 result = MigrationResult(sources[path], sources[path], [program_refusal(every)])
             results[path] = result if path not in forced else _importing(result, forced[path])
         grew = _propagate(results, shared, forced)
-        if not shared.update(results) and not grew:  # every file decided the same way as the last round
+        before, reads = reads, frozenset().union(*(r.run_time_reads for r in results.values()))
+        if not shared.update(results) and not grew and reads == before:  # every file decided as the last round
             break
     return Program(results, unparsable)
 

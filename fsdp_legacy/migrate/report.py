@@ -32,6 +32,9 @@ class MigrationResult:
     # module-level MixedPrecision policies left FSDP1
     fsdp1_constructions: frozenset[int] = frozenset()
     fsdp1_policies: frozenset[str] = frozenset()
+    # the FSDP1 keywords some construction that became fully_shard reads at run time (`mixed_precision`,
+    # `auto_wrap_policy`...): the values of those kinds the other files build may be what it reads
+    run_time_reads: frozenset[str] = frozenset()
 
     @property
     def changed(self) -> bool:

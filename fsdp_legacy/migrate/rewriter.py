@@ -36,7 +36,7 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     left to a person, by line of `source`."""
     facts = facts or FileFacts()
     parsed = cst.parse_module(source)  # (a file that cannot be parsed is an error either way)
-    if replace(facts, read_elsewhere={}) == FileFacts() and "fsdp" not in source.lower():
+    if replace(facts, read_elsewhere={}, state_dict_setters=False) == FileFacts() and "fsdp" not in source.lower():
         # Every FSDP1 name reaches a file through an import path or attribute holding "fsdp", or through another file
         # of the program (facts; who imports this one brings none): nothing here to rewrite or report, and the dozen
         # passes below cost a second a file.
@@ -103,7 +103,7 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     if kept_blocks and tree.code != source:  # nor FSDP1's state_dict_type (a no-op there) around an FSDP2 model
         findings = sorted([*findings, kept_type_blocks(kept_blocks)], key=lambda f: f.line)
         return MigrationResult(source, source, findings, kept, policies)
-    return MigrationResult(source, tree.code, findings, kept, policies)
+    return MigrationResult(source, tree.code, findings, kept, policies, transformer.run_time_reads)
 
 
 __all__ = ["migrate_source"]

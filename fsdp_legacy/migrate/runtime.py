@@ -12,7 +12,8 @@ into apply_fully_shard's, `fully_shard_fsdp1` is `FSDP(module, **kwargs)` all ma
 `partial(FSDP, ...)`), and `hybrid_mesh` FSDP1's HYBRID_SHARD pair of process groups into FSDP2's 2-D mesh
 (keywords_runtime.py); `unshared_optim_state` and
 `rekey_optim_state_dict` carry FSDP1's optimizer state dicts over (optim_runtime.py); `full_state_dict_options` and
-`sharded_state_dict_options` build FSDP1's state-dict configs as StateDictOptions at run time (options_runtime.py)."""
+`sharded_state_dict_options` build FSDP1's state-dict configs as StateDictOptions at run time (options_runtime.py).
+`without_gradient_sync(model)` is FSDP1's `model.no_sync()` where the context is a value, entered later."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import contextlib
 import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ __all__ = [
     "sharded_state_dict_options",
     "state_dict_type_options",
     "unshared_optim_state",
+    "without_gradient_sync",
 ]
 
 # What auto_wrap adds to every unit's kwargs for FSDP1's wrapper; fully_shard takes neither.
@@ -361,3 +363,21 @@ def apply_full(model: nn.Module, fn: Callable[[nn.Module], Any]) -> nn.Module:
             unit.reshard()  # a unit left unsharded after forward holds plain, possibly low-precision, tensors
     _apply_unit(model, fn, {module: name for name, module in model.named_modules()})
     return model
+
+
+@contextlib.contextmanager
+def without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP1's `model.no_sync()` (fsdp_qlora's `sync_context = model.no_sync()`, entered later): no gradient
+    reduction inside, FSDP2's flag set back on leaving. Like FSDP1's, it does nothing until entered. A model that is
+    not FSDP2's but has its own no_sync (DDP's) uses that one."""
+    own = getattr(model, "no_sync", None)
+    if not isinstance(model, FSDPModule) and callable(own):
+        with own():
+            yield
+        return
+    synced = cast(FSDPModule, model)  # (or a wrapper forwarding to one: fsdp_qlora's offload_wrapper)
+    synced.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        synced.set_requires_gradient_sync(True)

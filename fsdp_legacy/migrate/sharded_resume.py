@@ -10,8 +10,11 @@ checkpoint into the optimizer's own state dict instead:
     torch.distributed.checkpoint.load(optim_state, storage_reader=r)
     set_optimizer_state_dict(model, optim, optim_state["optim"], options=...)
 
-Mapped where the result is a name used once, as `name[key]` handed to that to-load call under a SHARDED type; any
-other to-load call fed from such a result stays, reported (with the load)."""
+Mapped where the result is a name used once, as `name[key]` handed to that to-load call under a SHARDED type, or
+under FSDP1's default FULL type (fms-fsdp calls it after its SHARDED block): FSDP1 gathers the ShardedTensors to full
+tensors there and shards them again, so the optimizer ends up with the same state. Any other to-load call fed from
+such a result stays, reported (with the load); under FULL with rank0_only, FSDP1's gather would wait for the other
+ranks, which skip it."""
 
 from __future__ import annotations
 
@@ -113,6 +116,12 @@ class ShardedResume(cst.CSTVisitor):
         reader = self.code(args["storage_reader"])
         self.plans[binding.statement] = _Resume(root.value, key, reader, node, loader[0].rsplit(".", 1)[0])
 
+    def options(self, call: cst.Call, options: str) -> str:
+        """The options a recipe's to-load call takes: FSDP2's sharded ones under FSDP1's default FULL type, whose
+        gather and re-shard of the checkpoint's shards ends in the same optimizer state."""
+        planned = call in {p.to_load for p in self.plans.values()}
+        return "StateDictOptions()" if planned and options == "StateDictOptions(full_state_dict=True)" else options
+
     def check(self, call: cst.Call, options: str) -> Refusal | None:
         """Why a to-load call cannot be mapped, if it cannot: in a file that loads with
         load_sharded_optimizer_state_dict, any to-load call but the recipe's may be handed its ShardedTensors (through
@@ -123,7 +132,7 @@ class ShardedResume(cst.CSTVisitor):
             return None
         why = (
             f"{_WHY}; in a file that calls it, only its recipe is mapped (its result a name used once, as `name[key]` "
-            "in this call, under a SHARDED type)"
+            "in this call, under a SHARDED type or FSDP1's default FULL one)"
         )
         return Refusal("FSDP.optim_state_dict_to_load(...) of load_sharded_optimizer_state_dict's result", why, _FIX)
 

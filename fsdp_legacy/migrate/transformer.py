@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import libcst as cst
 from libcst.codemod import CodemodContext
@@ -17,6 +17,8 @@ from . import apply_call, configs, construction, optim_state, partials, precisio
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .facts import FileFacts
 from .manual_wrap import ManualWrap
+from .methods import attribute as _fsdp1_attribute
+from .methods import rewrite as _method
 from .names import advice, fsdp1_name
 from .removal import bare as _bare
 from .reorder import Placed, bound_names, names_in, reorder
@@ -87,6 +89,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.constructions: dict[int, Placed] = {}  # id(first new statement) -> what it shards
         self.checkpointing: dict[int, str] = {}  # id(statement applying activation checkpointing) -> its model
         self.summons: dict[cst.With, cst.Call] = {}  # summon_full_params blocks that only read -> full_params(...)
+        self.no_sync_items: set[cst.Call] = set()  # `with model.no_sync():` items, their blocks unwrapped
+        self.function_models: dict[cst.CSTNode, frozenset[str]] = {}  # (methods.function_models)
         self._precision_uses: dict[cst.CSTNode, bool] | None = None
         self._run_time_keywords: frozenset[str] = frozenset()  # (set with _precision_uses)
         self._alive: list[cst.CSTNode] = []  # every node whose id() keys one of the dicts above (see _key)
@@ -181,6 +185,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
         if options is None:
             return  # the model's state-dict type is left to a person (reported)
+        options = self.resume.options(call, options)
         uses = self.resume.bindings.count_in_scope(name, original)
         if uses != 2:  # the assignment and the load
             why = (
@@ -192,6 +197,21 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             return
         names = set().union(*(names_in(a.value) for a in call.args))
         self.load_defs[self._key(updated)] = _PendingLoad(name, call, loading, options, names)
+
+    def _carried(self, old: cst.BaseStatement, new: cst.BaseStatement) -> cst.BaseStatement:
+        """`new` in place of `old` (a block's first statement given the block's comments), with what is noted of it:
+        a loader the outer block's load is paired with later must still be found there."""
+        tables: list[dict[int, Any]] = [
+            self.resume_defs,
+            self.load_defs,
+            self.load_uses,
+            self.dropped,
+            self.constructions,
+        ]
+        for table in tables:
+            if id(old) in table:
+                table[self._key(new)] = table.pop(id(old))
+        return new
 
     def _key(self, node: cst.CSTNode) -> int:
         """id(node) as a dict key, `node` kept alive for the rewrite: a freed node's id, given to a new node, made a
@@ -368,6 +388,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             if self.code(func.value) in self.survey.models:
                 self.unwrap[node] = self.code(func.value)
                 self.consumed.add(node.items[0])
+                self.no_sync_items.add(call)
 
     def _is_container(self, name: str) -> bool:
         values = [value for _, value in self.survey.assigned.get(name, [])]
@@ -393,7 +414,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             statements = run_time_blocks.started(self.blocks.pop()[1], statements, self.need)
         else:
             statements = unwrap.no_sync(kind, statements)
-        statements[0] = _with_leading(statements[0], list(updated.leading_lines))
+        statements[0] = self._carried(statements[0], _with_leading(statements[0], list(updated.leading_lines)))
         return cst.FlattenSentinel(statements)
 
     def _options(self, model: str, node: cst.Call, optim: bool = False) -> str | None:
@@ -411,6 +432,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
         """`model.module`, FSDP1's wrapped module, is the model itself under FSDP2."""
+        _fsdp1_attribute(self, original)
         if original.attr.value == "module" and self.code(original.value) in self.survey.models:
             self.consumed.add(original)
             return updated.value
@@ -474,7 +496,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                     args=[updated.args[0], updated.args[1].with_changes(value=cst.Name("FSDPModule"))]
                 )
         elif isinstance(original.func, cst.Attribute):
-            rewritten = self._method(original, updated)
+            rewritten = _method(self, original, updated)
         if rewritten is None:
             return updated
         self.consumed.add(original)
@@ -482,9 +504,18 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
 
     @property
     def _at_run_time(self) -> frozenset[str]:
-        """The FSDP1 keywords some construction of the file hands fsdp1_options to map at run time."""
+        """The FSDP1 keywords some construction of the file, or of the program (facts), reads at run time."""
+        return self.run_time_reads | self.facts.run_time_reads
+
+    @property
+    def run_time_reads(self) -> frozenset[str]:
+        """The FSDP1 keywords some construction of this file hands fsdp1_options / apply_fully_shard at run time."""
         self._precision()
         return self._run_time_keywords
+
+    def visit_Module(self, node: cst.Module) -> None:
+        if "auto_wrap_policy" in self._at_run_time:  # the FSDP1 policies built here may be what it evaluates
+            self.consumed.update(construction.policy_names(node, self.fsdp1))
 
     def _precision(self) -> dict[cst.CSTNode, bool]:
         """The MixedPrecision values FSDP(...) calls take -> whether all of those become fully_shard (a dry run)."""
@@ -549,6 +580,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
             if options is None:
                 return None  # the model's state-dict type is left to a person (reported)
+            options = self.resume.options(call, options)
             code = self.resume.check(call, options) or optim_state.load_code(loading, optimizer, options)
         if isinstance(code, optim_state.Refusal):
             self.report(call, code.what, code.why, code.fix)
@@ -566,35 +598,3 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def _need_helpers(self, *names: str) -> None:
         for name in (*names, "StateDictOptions"):
             self.need(STATE_DICT_HELPERS, name)
-
-    def _method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression | None:
-        func = original.func
-        assert isinstance(func, cst.Attribute)
-        receiver, method = self.code(func.value), func.attr.value
-        # (each argument without its own comma, which a node keeps when another argument follows it)
-        args = [self.module.code_for_node(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in updated.args]
-        if method == "load_state_dict" and len(original.args) == 1:
-            inner = original.args[0].value
-            if isinstance(inner, cst.Call) and optim_state.api_of(self.fsdp1(inner.func)) in optim_state.LOADS:
-                return self._optim_load(inner, receiver)
-        if method == "apply" and isinstance(func.value, cst.Attribute) and func.value.attr.value == "module":
-            if self.code(func.value.value) in self.survey.models:  # FSDP1's wrapped module: left as written
-                return self._apply(original, apply_call.on_wrapped_module(receiver), updated.with_changes(func=func))
-        in_block = any(model == receiver for model, _ in self.blocks)  # the block's model, a parameter or attribute too
-        if receiver not in self.survey.models and original not in self.set_types.governed and not in_block:
-            return None
-        if method == "apply":
-            return self._apply(original, apply_call.bound(updated, cast(cst.Attribute, updated.func).value, receiver))
-        if method == "clip_grad_norm_":
-            self.need("torch")
-            return self.expr(f"torch.nn.utils.clip_grad_norm_({receiver}.parameters(), {', '.join(args)})")
-        options = self._options(receiver, original)
-        if options is None:
-            return None  # under a state-dict type left to a person (reported)
-        if method == "state_dict" and not args:
-            self._need_helpers("get_model_state_dict")
-            return self.expr(f"get_model_state_dict({receiver}, options={options})")
-        if method == "load_state_dict" and len(original.args) == 1 and not original.args[0].keyword:
-            self._need_helpers("set_model_state_dict")
-            return self.expr(f"set_model_state_dict({receiver}, {args[0]}, options={options})")
-        return None

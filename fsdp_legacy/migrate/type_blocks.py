@@ -11,7 +11,7 @@ save or load something else under FSDP2 without a word. `Plan` decides before th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
@@ -30,6 +30,10 @@ _HARMLESS = frozenset(
      "named_children", "eval", "train", "zero_grad"}
 )  # fmt: skip
 _SAVES_OR_LOADS = ("save", "load", "checkpoint", "state_dict")
+# tensor-file writers and readers that see only the tensors handed to them (fsdp_qlora saves with save_file)
+_TENSOR_FILES = frozenset(
+    f"safetensors.torch.{name}" for name in ("save_file", "load_file", "save", "load")
+)  # fmt: skip
 
 
 @dataclass
@@ -102,6 +106,9 @@ class TypeBlocks(cst.CSTVisitor):
             keep.update(shared)
         configs = {c.rewrite.statement: c for o in removed.values() for c in o.configs if c.rewrite is not None}
         configs.update({c.drop.statement: c for o in removed.values() for c in o.configs if c.drop is not None})
+        # (fsdp_qlora's `save_policy`, given to two blocks: out when both go, FSDP1's where one stays)
+        named = [(c, c.named) for o in removed.values() for c in o.configs if c.drop is None and c.named is not None]
+        configs.update({b.statement: replace(c, drop=b) for c, b in named if set(b.uses) <= args})
         return Plan(removed, keep, configs)
 
 
@@ -160,7 +167,7 @@ class Readers(cst.CSTVisitor):
         qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, call.func, set())}
         func = call.func
         name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
-        torch = any(q.startswith("torch.") for q in qualified)
+        torch = any(q.startswith("torch.") for q in qualified) or bool(qualified & _TENSOR_FILES)
         if any(fsdp1_name(q) for q in qualified):
             return "an FSDP1 call left in place"
         if name in ("state_dict", "load_state_dict") and not torch:

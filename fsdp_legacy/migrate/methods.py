@@ -1,0 +1,188 @@
+"""Calls and attributes on the wrapped model (the transformer's `leave_Call` / `leave_Attribute` ask here):
+`clip_grad_norm_`, `apply`, `no_sync()` used as a value, `state_dict()` / `load_state_dict(sd, strict=...)`.
+
+A model is known wrapped where the file wraps it (`model = FSDP(...)`), inside a state_dict_type block on it, or
+in a function that hands it to such a block (a parameter or an attribute the function does not rebind: fms-fsdp's
+`Checkpointer.load(model, ...)` loads a single-file checkpoint with `model.load_state_dict(sd, strict=strict)`
+outside its SHARDED blocks). `model._orig_mod` (torch.compile's module) is the model it compiled. Outside a block,
+FSDP1 gives its current state-dict type: its default, FULL on every rank, unless the program sets another with
+`set_state_dict_type`, which a function's parameter cannot be followed to; then the call is reported."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import libcst as cst
+
+from . import apply_call
+from .construction import RUNTIME
+
+if TYPE_CHECKING:
+    from .transformer import Fsdp1ToFsdp2
+
+# FSDP1's own attributes: on an FSDP1 instance they shadow the module's; under FSDP2 the model is the module.
+FSDP1_ATTRIBUTES = frozenset(
+    {"process_group", "sharding_strategy", "mixed_precision", "cpu_offload", "compute_device", "training_state",
+     "use_orig_params", "limit_all_gathers", "backward_prefetch", "forward_prefetch"}
+)  # fmt: skip
+NO_SYNC = "without_gradient_sync"  # fsdp_legacy.migrate.runtime's no_sync() as a context manager
+_COMPILED = "._orig_mod"
+
+
+def _chain(node: cst.CSTNode) -> str | None:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        inner = _chain(node.value)
+        return None if inner is None else f"{inner}.{node.attr.value}"
+    return None
+
+
+class _Blocks(cst.CSTVisitor):
+    """In a function: the models of its state_dict_type blocks, and every name or attribute it assigns."""
+
+    def __init__(self, t: Fsdp1ToFsdp2) -> None:
+        super().__init__()
+        self.t = t
+        self.models: set[str] = set()
+        self.bound: set[str] = set()
+
+    def visit_With(self, node: cst.With) -> None:
+        options = self.t.plan.removed.get(node)
+        if options is not None:
+            self.models.add(options.model)
+        elif node in self.t.plan.kept or node in self.t.kept_blocks:
+            call = cast(cst.Call, node.items[0].item)
+            if call.args and not call.args[0].keyword:
+                self.models.add(self.t.code(call.args[0].value))
+
+    def _bind(self, target: cst.BaseExpression) -> None:
+        chain = _chain(target)
+        if chain is not None:
+            self.bound.add(chain)
+        for child in target.children:
+            if isinstance(child, cst.BaseExpression):
+                self._bind(child)
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._bind(node.target)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._bind(node.target)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._bind(node.target)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._bind(node.target)
+
+    def visit_AsName(self, node: cst.AsName) -> None:
+        self._bind(cast(cst.BaseExpression, node.name))
+
+
+def function_models(t: Fsdp1ToFsdp2, node: cst.CSTNode) -> frozenset[str]:
+    """The models of the state_dict_type blocks of the function holding `node` that it does not rebind."""
+    parents = t.resume.bindings.parents
+    function: cst.CSTNode | None = node
+    while function is not None and not isinstance(function, cst.FunctionDef):
+        function = parents.get(function)
+    if function is None:
+        return frozenset()
+    cache = t.function_models
+    if function not in cache:
+        found = _Blocks(t)
+        function.body.visit(found)
+        cache[function] = frozenset(m for m in found.models if m not in found.bound)
+    return cache[function]
+
+
+def _setters(t: Fsdp1ToFsdp2) -> bool:
+    """Whether the program may set a state-dict type a function's parameter cannot be followed to."""
+    return t.facts.state_dict_setters or bool(t.set_types.setters)
+
+
+def known(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> str | None:
+    """The model `receiver` is (itself, or what `receiver._orig_mod` compiled) when the file knows it wrapped."""
+    model = receiver[: -len(_COMPILED)] if receiver.endswith(_COMPILED) else receiver
+    if model in t.survey.models or any(m == model for m, _ in t.blocks) or model in function_models(t, node):
+        return model
+    return None
+
+
+def attribute(t: Fsdp1ToFsdp2, original: cst.Attribute) -> None:
+    """FSDP1's own attributes on a known model: reported, the line left as written (FSDP2 has no such attribute)."""
+    name, receiver = original.attr.value, t.code(original.value)
+    if name in FSDP1_ATTRIBUTES and known(t, receiver, original) is not None:
+        why = f"`{name}` is FSDP1's attribute of its wrapper; under FSDP2 the model is the module, which has none"
+        fix = (
+            "take it from where the model was sharded (the process group or mesh given to fully_shard, the policies "
+            "passed to it)"
+        )
+        t.report(original, f"`{receiver}.{name}`", why, fix)
+
+
+def _with_strict(options: str, strict: str) -> str | None:
+    if not options.startswith("StateDictOptions(") or not options.endswith(")"):
+        return None  # options decided at run time (a name)
+    inner = options[len("StateDictOptions(") : -1]
+    return f"StateDictOptions({inner}{', ' if inner else ''}strict={strict})"
+
+
+def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseExpression | None:
+    """A method call on the wrapped model as FSDP2's; None where it stays as it is (reported where it must)."""
+    from . import optim_state
+
+    func = original.func
+    assert isinstance(func, cst.Attribute)
+    receiver, method = t.code(func.value), func.attr.value
+    # (each argument without its own comma, which a node keeps when another argument follows it)
+    args = [t.module.code_for_node(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in updated.args]
+    if method == "load_state_dict" and len(original.args) == 1:
+        inner = original.args[0].value
+        if isinstance(inner, cst.Call) and optim_state.api_of(t.fsdp1(inner.func)) in optim_state.LOADS:
+            return t._optim_load(inner, receiver)
+    if method == "apply" and isinstance(func.value, cst.Attribute) and func.value.attr.value == "module":
+        if t.code(func.value.value) in t.survey.models:  # FSDP1's wrapped module: left as written
+            return t._apply(original, apply_call.on_wrapped_module(receiver), updated.with_changes(func=func))
+    model = known(t, receiver, original)
+    if model is None and original not in t.set_types.governed:
+        return None
+    outside = model is not None and model not in t.survey.models and all(m != model for m, _ in t.blocks)
+    if method == "no_sync" and not args and original not in t.no_sync_items and model is not None:
+        t.need(RUNTIME, NO_SYNC)  # `ctx = model.no_sync()` entered later: the same, as a context manager
+        return t.expr(f"{NO_SYNC}({receiver})")
+    if receiver != model and method not in ("state_dict", "load_state_dict"):
+        return None  # only the state-dict calls of `model._orig_mod` are the model's
+    if method == "apply":
+        return t._apply(original, apply_call.bound(updated, cast(cst.Attribute, updated.func).value, receiver))
+    if method == "clip_grad_norm_":
+        t.need("torch")
+        return t.expr(f"torch.nn.utils.clip_grad_norm_({receiver}.parameters(), {', '.join(args)})")
+    if method not in ("state_dict", "load_state_dict"):
+        return None
+    if outside and _setters(t):
+        why = (
+            f"`{model}` is a function's FSDP1 model outside its state_dict_type blocks, where its type is the one "
+            "set_state_dict_type gave it (the program calls it), which this tool cannot follow to here"
+        )
+        fix = "write it onto get_/set_model_state_dict with the StateDictOptions of that type"
+        t.report(original, f"`{receiver}.{method}(...)`", why, fix)
+        return None
+    options = t._options(model or receiver, original)
+    if options is None:
+        return None  # under a state-dict type left to a person (reported)
+    if method == "state_dict" and not args:
+        t._need_helpers("get_model_state_dict")
+        return t.expr(f"get_model_state_dict({receiver}, options={options})")
+    positional = [a for a in original.args if not a.keyword]
+    keywords = {a.keyword.value: i for i, a in enumerate(original.args) if a.keyword}
+    loads = len(positional) == 1 and not original.args[0].keyword and set(keywords) <= {"strict"}
+    if method == "load_state_dict" and loads:
+        if "strict" in keywords:
+            with_strict = _with_strict(options, t.code(updated.args[keywords["strict"]].value))
+            if with_strict is None:
+                return None
+            options = with_strict
+        t._need_helpers("set_model_state_dict")
+        return t.expr(f"set_model_state_dict({receiver}, {args[0]}, options={options})")
+    return None
