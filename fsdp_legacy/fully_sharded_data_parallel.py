@@ -282,6 +282,8 @@ class FullyShardedDataParallel(TorchUnitNames, FSDPUnit):
             return
         wrapped = self._fsdp_wrapped_module
         for path, sub in iter_unit_modules(wrapped, self._is_boundary_for(wrapped)):
+            if sub in self._ignored_modules:  # (the wrapped module itself may be: a unit managing nothing)
+                continue
             for name, buffer in sub._buffers.items():
                 if buffer is None or not buffer.is_floating_point():
                     continue
