@@ -16,6 +16,7 @@ import libcst as cst
 
 from . import apply_call
 from .construction import RUNTIME
+from .names import attribute_chain as _chain
 
 if TYPE_CHECKING:
     from .transformer import Fsdp1ToFsdp2
@@ -27,15 +28,6 @@ FSDP1_ATTRIBUTES = frozenset(
 )  # fmt: skip
 NO_SYNC = "without_gradient_sync"  # fsdp_legacy.migrate.runtime's no_sync() as a context manager
 _COMPILED = "._orig_mod"
-
-
-def _chain(node: cst.CSTNode) -> str | None:
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        inner = _chain(node.value)
-        return None if inner is None else f"{inner}.{node.attr.value}"
-    return None
 
 
 class _Blocks(cst.CSTVisitor):

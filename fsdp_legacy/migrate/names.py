@@ -1,6 +1,9 @@
-"""Which names are FSDP1's, and what to tell a person about each one the rewriter leaves in place."""
+"""Which names are FSDP1's, what to tell a person about each one the rewriter leaves in place, and the dotted name an
+attribute chain spells."""
 
 from __future__ import annotations
+
+import libcst as cst
 
 # Longest first: the first prefix that matches decides. fsdp_legacy's names are torch's, as a drop-in.
 _MODULES = (
@@ -172,3 +175,13 @@ FSDP1_MAPPED_KWARGS = frozenset(
         "sync_module_states",
     }
 )
+
+
+def attribute_chain(node: cst.CSTNode) -> str | None:
+    """`self._model` for an attribute chain of names; None for anything else."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        inner = attribute_chain(node.value)
+        return None if inner is None else f"{inner}.{node.attr.value}"
+    return None

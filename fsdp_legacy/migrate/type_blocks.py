@@ -19,6 +19,7 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 from . import run_time_blocks
 from .bindings import Bindings
 from .configs import Config
+from .names import attribute_chain as _chain
 from .names import fsdp1_name
 from .state_dict_type import BLOCK, TypeOptions, parse
 
@@ -110,16 +111,6 @@ class TypeBlocks(cst.CSTVisitor):
         named = [(c, c.named) for o in removed.values() for c in o.configs if c.drop is None and c.named is not None]
         configs.update({b.statement: replace(c, drop=b) for c, b in named if set(b.uses) <= args})
         return Plan(removed, keep, configs)
-
-
-def _chain(node: cst.CSTNode) -> str | None:
-    """`self._model` for an attribute chain of names; None for anything else."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        inner = _chain(node.value)
-        return None if inner is None else f"{inner}.{node.attr.value}"
-    return None
 
 
 def _related(chain: str, model: str) -> bool:
