@@ -10,6 +10,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .storage import free_storage
+
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -149,6 +151,7 @@ class _ExchangeThenAdd:
             self._own = None
             if len(self._outputs) > 1:
                 _split_into(self._received, self._outputs)
+                free_storage(self._received)  # (on the CPU: the backend's work, which may outlive us, holds it too)
         return True
 
 

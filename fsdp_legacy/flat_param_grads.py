@@ -204,6 +204,8 @@ class FlatParamGrads:
             output = output.to(device=self.local_shard.device, dtype=self.grad_dtype)
             if self.grads_on_orig_params:  # folded in at once, so no shard-sized gradient outlives its reduction
                 self._accumulate_compact(output)
+                if self.sharded and pending.output.device.type == "cpu":  # (ours: the backend's work may outlive it)
+                    free_storage(pending.output)
             else:
                 self.new_grad = output
         elif pending.output is not self.flat_param.grad:  # NO_SHARD reduced in another dtype: back into .grad
