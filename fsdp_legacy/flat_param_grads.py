@@ -63,6 +63,7 @@ class FlatParamGrads:
     saved_grad: torch.Tensor | None
     new_grad: torch.Tensor | None
     unsynced_grad: torch.Tensor | None
+    unsynced_in_grad: bool
     backward_prepared: bool
     _orig_grad_views: dict[ParamInfo, torch.Tensor]
     _registered_views: dict[ParamInfo, torch.Tensor]

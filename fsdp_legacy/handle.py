@@ -87,6 +87,7 @@ class FlatParamHandle(OrigParamGrads, OrigParamViews, FlatParamGrads, TorchHandl
         self.saved_grad: torch.Tensor | None = None
         self.new_grad: torch.Tensor | None = None  # this backward's reduced sharded gradient
         self.unsynced_grad: torch.Tensor | None = None  # unsharded gradients accumulated under no_sync()
+        self.unsynced_in_grad = False  # NO_SHARD in full precision: `.grad` holds no_sync() gradients, unreduced
         self.needs_pre_backward = False  # set in forward, cleared by the first pre-backward hook
         self.backward_task = -1  # autograd's graph task of the last backward that reached the handle
         self.kept_gathered = False  # resharded with the unsharded storage kept (finish_backward)

@@ -24,6 +24,7 @@ class OrigParamGrads:
     orig_params: dict[ParamInfo, nn.Parameter]
     saved_grad: torch.Tensor | None
     unsynced_grad: torch.Tensor | None
+    unsynced_in_grad: bool
     _local_pieces: dict[ParamInfo, ShardPiece]
     _orig_grad_views: dict[ParamInfo, torch.Tensor]
     _compact_grad: torch.Tensor | None  # the buffer behind `_compact_views`, when ours
@@ -80,7 +81,8 @@ class OrigParamGrads:
         flat_grad = self.flat_param.grad
         self._orig_grad_views = {}
         for info, param in self.orig_params.items():
-            has_data = self.has_grad_slot(info)
+            # (under no_sync() every parameter shows its view of the unsharded gradient, as in torch's FSDP1)
+            has_data = self.unsynced_in_grad or self.has_grad_slot(info)
             view = self._local_view(flat_grad, info) if flat_grad is not None and has_data else None
             if view is not None and not param.requires_grad:
                 view = None

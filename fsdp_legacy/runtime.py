@@ -268,6 +268,7 @@ class Runtime:
         handle.training_state = HandleTrainingState.BACKWARD_POST
         grad = handle.take_unsharded_grad()
         self._post_backward_reshard(unit, handle)  # before reducing, as torch FSDP1 does: no longer needed
+        handle.unsynced_in_grad = not unit._sync_gradients and not handle.uses_buffer
         if not unit._sync_gradients:
             if handle.uses_buffer:  # otherwise (NO_SHARD) the gradient simply keeps accumulating into .grad
                 handle.accumulate_unsynced(grad)

@@ -172,6 +172,42 @@ def test_grads_of_parameters_without_elements_as_torch(strategy: str) -> None:
     assert (observed[1]["empty"] is None) == (strategy != "NO_SHARD"), observed
 
 
+class _EmptyFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0))  # at offset 0: in no rank's range
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.empty.sum()
+
+
+def _grads_of_an_empty_parameter_under_no_sync(strategy: str) -> dict[str, Any]:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    model = _FSDP(_EmptyFirst(), sharding_strategy=getattr(fsdp.ShardingStrategy, strategy), use_orig_params=True)
+    seen: dict[str, Any] = {}
+    with model.no_sync():
+        model(torch.randn(2, 3)).sum().backward()
+    seen["no_sync"] = _cloned_grads(model)  # (the next backward accumulates into these)
+    model(torch.randn(2, 3)).sum().backward()
+    seen["synchronised"] = _cloned_grads(model)
+    return seen
+
+
+def _cloned_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n.rsplit(".", 1)[-1]: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+@parameterized.expand([("NO_SHARD",), ("FULL_SHARD",)])
+def test_an_empty_parameter_under_no_sync_shows_an_empty_gradient_as_torch(strategy: str) -> None:
+    """Seed 377: under no_sync() torch's FSDP1 shows every parameter its view of the unsharded gradient, one without
+    elements at offset 0 too; after a synchronised backward that one has None (in no rank's range). Ours gave it None
+    under no_sync() too with NO_SHARD in full precision (the gradient accumulating in `.grad`)."""
+    for observed in _assert_same_as_torch(_grads_of_an_empty_parameter_under_no_sync, strategy):
+        assert observed["no_sync"]["empty"] is not None and observed["no_sync"]["empty"].shape == (0,), observed
+        assert observed["synchronised"]["empty"] is None, observed
+
+
 def _clip_with_empty_grads(norm_type: float) -> dict[str, Any]:
     fsdp = importlib.import_module("torch.distributed.fsdp")
     model = _FSDP(_WithEmpty(), sharding_strategy=fsdp.ShardingStrategy.FULL_SHARD, use_orig_params=True)
