@@ -103,6 +103,7 @@ def test_exception_on_one_rank_is_reported_and_pool_respawned() -> None:
     assert [t.item() for t in run_on_ranks(_all_reduce_rank, 2)] == [1.0, 1.0]
 
 
+@pytest.mark.heavy  # (waits out a timeout)
 def test_hang_times_out_and_pool_respawned() -> None:
     with pytest.raises(RankError, match=r"timed out after 5 s: ranks \[0\]") as info:
         run_on_ranks(_barrier_on_rank0, 2, timeout=5)
@@ -111,6 +112,7 @@ def test_hang_times_out_and_pool_respawned() -> None:
     assert [t.item() for t in run_on_ranks(_all_reduce_rank, 2)] == [1.0, 1.0]
 
 
+@pytest.mark.heavy  # (waits out a timeout)
 def test_failure_while_other_rank_blocks_reports_both() -> None:
     with pytest.raises(RankError) as info:
         run_on_ranks(_raise_on_rank1_while_rank0_waits, 2, timeout=60)

@@ -39,7 +39,7 @@ def _report(capsys, *extra: str, lora: bool = False) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["qlora", "lora"])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.heavy)], ids=["qlora", "lora"])
 def test_prediction_matches_a_real_run(capsys, lora: bool) -> None:
     report = _report(capsys, lora=lora)
     assert (report["setup"]["lora"], report["setup"]["qlora"], report["setup"]["lora_rank"]) == (lora, not lora, 4)

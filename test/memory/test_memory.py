@@ -162,7 +162,8 @@ def _measure(name: str, leak: str = "") -> dict[Phase, int]:
             handle_module.free_storage = free
             for op, original in originals.items():
                 setattr(dist, op, original)
-        del kept, works
+        del kept
+        works.clear()
     return {phase: tracker.peak(phase) for phase in PHASES}
 
 

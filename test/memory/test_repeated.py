@@ -86,7 +86,12 @@ def _assert_equal(fast, full) -> None:
         assert fast.peaks.get(phase) == _grouped(full.peaks.get(phase, {}), "layers."), phase
 
 
-@pytest.mark.parametrize("case", list(CASES))
+HEAVY_CASES = {"qlora_checkpointing_bf16_offload_ws2", "prefetch_post_orig_params_ws64", "fp32_forward_prefetch_ws4"}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.heavy) if c in HEAVY_CASES else c for c in CASES]
+)  # (the heavy ones 9-26 s each; mem-report's QLoRA case also runs in test_mem_report_qlora)
 def test_extrapolated_equals_the_full_trace(case: str) -> None:
     setup, kwargs, world_size, layers = CASES[case]
     fast, full = _both(builder(**setup), layers, kwargs, world_size)
