@@ -38,6 +38,8 @@ class Case:
     policy: tuple  # ("none",) | ("classes", names) | ("size", min_num_params)
     optimizer: str  # "sgd" | "adam"
     program: tuple = field(default=())  # ops, see _draw_program
+    world_size: int = 2
+    mesh_shape: tuple[int, int] = (1, 2)  # HYBRID's (replicate, shard) mesh
 
     def describe(self) -> str:
         mp = "fp32" if self.mixed_precision is None else "mp" + str(self.mixed_precision)
@@ -45,7 +47,7 @@ class Case:
             f"seed {self.seed}: {self.strategy} uop={self.use_orig_params} {mp} offload={self.offload} "
             f"bwd={self.backward_prefetch} fwd_pf={self.forward_prefetch} limit={self.limit_all_gathers} "
             f"policy={self.policy} ignored={self.ignored} vocab={self.vocab} tied={self.tied} opt={self.optimizer} "
-            f"tree={self.tree} program={self.program}"
+            f"tree={self.tree} program={self.program} world_size={self.world_size} mesh={self.mesh_shape}"
         )
 
 
@@ -86,7 +88,7 @@ def _draw_mixed_precision(rng: random.Random) -> tuple | None:
     return (param, reduce, buffer, rng.random() < 0.3, rng.random() < 0.3)
 
 
-def _draw_program(rng: random.Random, hybrid: bool, uop: bool) -> tuple:
+def _draw_program(rng: random.Random, more: random.Random, hybrid: bool, uop: bool) -> tuple:
     ops: list[tuple] = []
     for _ in range(rng.randint(2, 6)):
         roll = rng.random()
@@ -102,13 +104,16 @@ def _draw_program(rng: random.Random, hybrid: bool, uop: bool) -> tuple:
             ops.append(("summon", rng.random() < 0.5, uop and rng.random() < 0.2))
         else:
             # torch's HYBRID on a (1, 2) mesh hangs in the first all-gather after a SHARDED load (seed 0)
-            ops.append(("save_load", "FULL" if hybrid else rng.choice(("FULL", "SHARDED"))))
+            kind = "FULL" if hybrid else rng.choice(("FULL", "SHARDED"))
+            ops.append(("save_load", "LOCAL" if not hybrid and more.random() < 0.3 else kind))
     return (*ops, ("step", None))
 
 
-def draw(seed: int) -> Case:
-    """The case of `seed`."""
-    rng = random.Random(seed)
+def draw(seed: int, world_size: int = 2) -> Case:
+    """The case of `seed` on `world_size` ranks. What later rounds added (LOCAL state dicts, meshes of four ranks)
+    is drawn from a second generator, so that `rng`'s draws stay as they were (a save of an older seed may now be a
+    LOCAL one)."""
+    rng, more = random.Random(seed), random.Random(f"{seed}/{world_size}")
     hidden = rng.choice((3, 5, 7))
     vocab = rng.choice((None, 5, 7, 11))
     tied = vocab is not None and rng.random() < 0.5
@@ -146,5 +151,7 @@ def draw(seed: int) -> Case:
         policy=policy,
         # Adam cannot step fp32 parameters with the low-precision gradients keep_low_precision_grads leaves
         optimizer="sgd" if mixed_precision and mixed_precision[3] else optimizer,
-        program=_draw_program(rng, "HYBRID" in strategy, use_orig_params),
+        program=_draw_program(rng, more, "HYBRID" in strategy, use_orig_params),
+        world_size=world_size,
+        mesh_shape=more.choice(((1, 4), (2, 2))) if world_size == 4 else (1, world_size),
     )

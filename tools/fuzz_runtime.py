@@ -1,6 +1,6 @@
-"""Fuzz the runtime against torch's FSDP1: seeded cases run side by side on 2 gloo CPU ranks.
+"""Fuzz the runtime against torch's FSDP1: seeded cases run side by side on 2 (or 4) gloo CPU ranks.
 
-    python tools/fuzz_runtime.py --seeds 200 [--start 0]     # a line per seed, then every difference
+    python tools/fuzz_runtime.py --seeds 200 [--start 0] [--world-size 4]   # a line per seed, then every difference
     python tools/fuzz_runtime.py --seed 17 --show              # rerun one seed and print its case
 
 Each seed draws a small model, an FSDP configuration and a program (test/runtime_fuzz_cases.py); the program runs
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--seed", type=int, help="run this one seed only")
     parser.add_argument("--show", action="store_true", help="print each case as drawn")
+    parser.add_argument("--world-size", type=int, choices=(2, 4), default=2, help="ranks per case")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(TEST_DIR))
     importlib.import_module("repo_paths").put_on_sys_path()
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for seed in seeds:
             began = time.monotonic()
-            outcome = fuzz.run_seed(seed)
+            outcome = fuzz.run_seed(seed, world_size=args.world_size)
             if args.show:
                 print(outcome.case.describe())
             print(f"{time.monotonic() - began:5.1f} s  {outcome.line()[:3000]}", flush=True)

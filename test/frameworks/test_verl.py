@@ -207,10 +207,11 @@ def test_verl_stages_agree_among_themselves(verl_runs: tuple) -> None:
 
 # HSDP's gradient norm is taken over whole gradients (shard groups of one rank), the FULL_SHARD twin's over two halves
 # combined across the ranks: the same value summed in another order, so from the first clipping on the two runs differ
-# in fp32's last bits (measured: up to 1.3e-7 of a tensor's largest value over the 5 steps, on an AMD EPYC; equal on
+# in fp32's last bits, which Adam's division by the root of the second moment grows for small-gradient entries
+# (measured: 1.3e-7 of a tensor's largest value over the 5 steps on one AMD EPYC, 1.3e-6 on the CI machine; equal on
 # the machine where the test was written). torch's FSDP1 here trains each replica on its own data: its ranks' norms
-# differ by about half.
-HSDP_RTOL = 1e-6
+# differ by about half, 5e4 times this bound.
+HSDP_RTOL = 1e-5
 
 
 def test_verl_hybrid_shard_trains_as_full_shard_where_torch_fsdp1_trains_replicas_apart(verl_runs: tuple) -> None:

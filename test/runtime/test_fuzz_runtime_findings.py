@@ -249,3 +249,50 @@ def test_a_unit_without_parameters_does_not_cast_its_inputs_as_torch() -> None:
     a LayerNorm without affine parameters wrapped alone normalises its fp32 input in fp32 (ours cast it to bf16)."""
     for observed in _assert_same_as_torch(_cast_by_a_unit_without_parameters):
         assert observed == {"norm input": "torch.float32", "output": "torch.bfloat16"}, observed
+
+
+def _local_round_trip_with_orig_params(nested: bool) -> dict[str, Any]:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    wrap = importlib.import_module("torch.distributed.fsdp.wrap")
+    FSDP = fsdp.FullyShardedDataParallel
+    policy = wrap.ModuleWrapPolicy({Linear}) if nested else None
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return _FSDP(nn.Sequential(Linear(3, 5), Linear(5, 2)), use_orig_params=True, auto_wrap_policy=policy)
+
+    source = build(0)
+    with FSDP.state_dict_type(source, fsdp.StateDictType.LOCAL_STATE_DICT):
+        saved = source.state_dict()
+    seen: dict[str, Any] = {"keys": list(saved)}
+    for strict in (True, False):
+        destination = build(1)
+        with FSDP.state_dict_type(destination, fsdp.StateDictType.LOCAL_STATE_DICT):
+            try:
+                result = destination.load_state_dict(saved, strict=strict)
+                seen[f"strict={strict}"] = ("loaded", result.missing_keys, result.unexpected_keys)
+            except RuntimeError as error:
+                seen[f"strict={strict}"] = ("RuntimeError", str(error))
+        with FSDP.summon_full_params(source), FSDP.summon_full_params(destination):
+            loaded = all(torch.equal(a, b) for a, b in zip(source.parameters(), destination.parameters(), strict=True))
+        seen[f"strict={strict}: values as saved"] = loaded
+    return seen
+
+
+@parameterized.expand([("one unit", False), ("nested units", True)])
+def test_a_local_dict_with_orig_params_loads_strictly_where_torch_refuses_its_own(_: str, nested: bool) -> None:
+    """The 4-rank campaign's LOCAL saves (any world size): with use_orig_params=True torch's FSDP1 saves each unit's
+    `_flat_param` beside the parameters' names, then, loading that very dict strictly, raises `Unexpected key(s) in
+    state_dict: "..._flat_param"` (after loading the values); strict=False reports the key as unexpected. Ours loads
+    it strictly, consuming every key, to the same values (docs/compatibility.md, Differences on purpose). Oracle: the
+    keys torch saves and the values its non-strict load gives."""
+    for observed in _run_both(_local_round_trip_with_orig_params, nested):
+        ours, theirs = observed["ours"], observed["torch"]
+        assert ours["keys"] == theirs["keys"] and any(k.endswith("_flat_param") for k in ours["keys"]), observed
+        refused, message = theirs["strict=True"]
+        assert refused == "RuntimeError" and "Unexpected key(s)" in message and "_flat_param" in message, observed
+        flat_keys = [k for k in theirs["keys"] if k.endswith("_flat_param")]
+        assert theirs["strict=False"] == ("loaded", [], flat_keys), observed
+        assert ours["strict=True"] == ours["strict=False"] == ("loaded", [], []), observed
+        assert ours["strict=True: values as saved"] and ours["strict=False: values as saved"], observed
+        assert theirs["strict=False: values as saved"], observed
