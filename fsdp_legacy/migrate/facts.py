@@ -37,3 +37,8 @@ class FileFacts:
     # MixedPrecision / CPUOffload values and policies may be what they read, FSDP1's as they are (fsdp1_options and
     # apply_fully_shard take them)
     run_time_reads: frozenset[str] = frozenset()
+    # the names here bound to a wrapped model that a function of another file returns (cross_file.py)
+    imported_models: frozenset[str] = frozenset()
+    # this file's functions returning the model to callers in other files, which cross_file.py follows (-> where):
+    # a state-dict type set on it there is not followed
+    followed_elsewhere: Mapping[str, str] = field(default_factory=dict)

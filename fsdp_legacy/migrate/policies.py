@@ -217,6 +217,31 @@ class Shared:
                     found.setdefault(ref.name, f"used by {other}:{ref.line}")
         return found
 
+    def named_imports(self, path: str) -> list[tuple[str, str, str]]:
+        """The `from m import name [as local]` of `path` that name another program file: (that file, name, local)."""
+        return [
+            (source, imp.name, imp.local)
+            for imp in self.files[path].imports
+            if imp.name not in (None, "*")
+            for source in self._resolve(path, imp)
+            if source != path
+        ]
+
+    def read_otherwise(self, path: str) -> set[str]:
+        """The names of `path` that other files read other than through `from m import name`: as `m.name`, and
+        `*` where one star-imports it."""
+        found: set[str] = set()
+        for other, read in self.files.items():
+            if other == path:
+                continue
+            if any(imp.name == "*" and path in self._resolve(other, imp) for imp in read.imports):
+                found.add("*")
+            modules = self._modules(other)
+            found |= {
+                r.name for r in read.references if r.attribute_of is not None and modules.get(r.attribute_of) == path
+            }
+        return found
+
     def imported(self, path: str) -> dict[str, ImportedPolicy]:
         out = {}
         for local, origin in self._bound(path).items():

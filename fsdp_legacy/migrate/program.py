@@ -5,7 +5,9 @@ is treated the same way in both, so the program ends up all FSDP2, or a file sta
 - MixedPrecision policies of one file taken by FSDP(...) in another (policies.py): the policy becomes FSDP2's only
   where every construction that takes it does.
 - A file that stays FSDP1 (refused as a whole, or with FSDP(...) calls left FSDP1) keeps every file importing from
-  it as it is too: what they get from it is FSDP1's."""
+  it as it is too: what they get from it is FSDP1's.
+- A function of one file that returns the wrapped model to callers in others (cross_file.py): where they are
+  followed, a caller's file left FSDP1 keeps the builder's file FSDP1 too, since the model it gets is the builder's."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper
 
 from . import policies
+from .cross_file import Caller, follow_across
 from .facts import FileFacts
 from .report import Finding, MigrationResult
 from .rewriter import migrate_source
@@ -60,8 +63,10 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
     defined = _subclasses(wrappers)
     every = {name: where for found in defined.values() for name, where in found.items()}
     shared = policies.Shared(wrappers)
+    cross = follow_across(wrappers, sources, shared)
     results: dict[str, MigrationResult] = {}
     forced: dict[str, str] = {}  # files left FSDP1 because they import from one that stays FSDP1 -> that file
+    held: dict[str, Caller] = {}  # files left FSDP1 because a caller of their model stays FSDP1
     last: dict[str, tuple[FileFacts, MigrationResult]] = {}  # each file's facts and rewrite in the round before
     setters = any("set_state_dict_type" in source for source in sources.values())  # (methods.py; any mention)
     reads: frozenset[str] = frozenset()  # what the program's migrated constructions read at run time
@@ -69,7 +74,14 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
         for path in wrappers:
             others = {n: w for n, w in every.items() if n not in defined[path]}
             facts = FileFacts(
-                others, shared.imported(path), shared.uses_of(path), shared.read_from(path), setters, reads
+                others,
+                shared.imported(path),
+                shared.uses_of(path),
+                cross.read_elsewhere[path],
+                setters,
+                reads,
+                cross.models.get(path, frozenset()),
+                cross.followed.get(path, {}),
             )
             if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
                 result = last[path][1]
@@ -79,7 +91,9 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
             if every and not any(f.kind == REFUSED for f in result.findings) and (result.changed or result.findings):
                 result = MigrationResult(sources[path], sources[path], [program_refusal(every)])
             results[path] = result if path not in forced else _importing(result, forced[path])
-        grew = _propagate(results, shared, forced)
+            if path in held:
+                results[path] = _held(results[path], held[path])
+        grew = _propagate(results, shared, forced, cross.callers, held)
         before, reads = reads, frozenset().union(*(r.run_time_reads for r in results.values()))
         if not shared.update(results) and not grew and reads == before:  # every file decided as the last round
             break
@@ -104,9 +118,32 @@ def _importing(result: MigrationResult, source: str) -> MigrationResult:
     return MigrationResult(result.source, result.source, [finding, *result.findings])
 
 
-def _propagate(results: dict[str, MigrationResult], shared: policies.Shared, forced: dict[str, str]) -> bool:
-    """Files that would change while importing from a file that stays FSDP1 are left as they are too, following
-    the imports until nothing new stays; True when a file was added."""
+def _held(result: MigrationResult, caller: Caller) -> MigrationResult:
+    """A file left as it is because the model its function returns goes to a file that stays FSDP1."""
+    why = (
+        f"`{caller.function}` returns its wrapped model to {caller.caller}, which stays FSDP1 (reported there): "
+        "FSDP1's calls there would meet an FSDP2 model; the file is left as it is, as a whole"
+    )
+    fix = f"migrate {caller.caller} first"
+    finding = Finding(1, f"`{caller.function}`'s model goes to {caller.caller}, which stays FSDP1", why, fix, REFUSED)
+    return MigrationResult(result.source, result.source, [finding, *result.findings], result.fsdp1_constructions)
+
+
+def _left_fsdp1(result: MigrationResult) -> bool:
+    """A file that keeps FSDP1 code: it stays FSDP1, or it is left unchanged with something reported."""
+    return _stays_fsdp1(result) or (not result.changed and bool(result.findings))
+
+
+def _propagate(
+    results: dict[str, MigrationResult],
+    shared: policies.Shared,
+    forced: dict[str, str],
+    callers: frozenset[Caller],
+    held: dict[str, Caller],
+) -> bool:
+    """Files that would change while importing from a file that stays FSDP1 are left as they are too, and so are
+    files whose returned model a file left FSDP1 binds, following both until nothing new stays; True when a file
+    was added."""
     grew = False
     while True:
         added = {
@@ -116,9 +153,17 @@ def _propagate(results: dict[str, MigrationResult], shared: policies.Shared, for
             for source in sorted(shared.imports_from(path))
             if _stays_fsdp1(results[source])
         }
-        if not added:
+        holding = {  # (a builder's file that stays FSDP1 already holds its model FSDP1's)
+            c.builder: c
+            for c in sorted(callers, key=str)
+            if c.builder not in held and not _stays_fsdp1(results[c.builder]) and _left_fsdp1(results[c.caller])
+        }
+        if not added and not holding:
             return grew
         for path, source in added.items():
             forced[path] = source
             results[path] = _importing(results[path], source)
+        for path, caller in holding.items():
+            held[path] = caller
+            results[path] = _held(results[path], caller)
         grew = True

@@ -31,6 +31,7 @@ from .reorder import names_in
 from .report import Finding
 
 Parents = Mapping[cst.CSTNode, cst.CSTNode]
+Escapes = dict[str, tuple[int, int] | None]  # a function other files import -> the model's place in its result
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,14 @@ class _Mentions(cst.CSTVisitor):
             self.found.append(node)
 
 
+def _imported(name: cst.Name, parents: Parents) -> bool:
+    """Whether `name` is part of an import statement (`from lib import build as make`)."""
+    node: cst.CSTNode | None = name
+    while node is not None and not isinstance(node, (cst.ImportFrom, cst.Import, cst.BaseStatement)):
+        node = parents.get(node)
+    return isinstance(node, (cst.ImportFrom, cst.Import))
+
+
 def _function(statement: cst.BaseStatement, parents: Parents) -> cst.FunctionDef | None:
     """The function whose body holds `statement` directly."""
     owner = parents.get(statement)
@@ -123,11 +132,13 @@ def _sites(
     exported: Mapping[str, str],
     builder: bool,
     shape: tuple[int, int] | None = None,
+    escapes: Escapes | None = None,
 ) -> Sites | str:
     """Each `target = function(...)` statement of the file, or why the text does not show every place the result
     goes. `builder`: a method too (called as `target = obj.method(...)`), and `self.model = ...` targets (the setter's
     calls must follow their target in its block, which an attribute's would not show). `shape`: the model's place
-    in a returned tuple and the tuple's length, which each caller unpacks (`model, optim = build(...)`)."""
+    in a returned tuple and the tuple's length, which each caller unpacks (`model, optim = build(...)`). `escapes`:
+    gets the module-level functions that other files import (cross_file.py may follow their callers there)."""
     name = function.name.value
     cls = _class_of(function, parents, module) if builder else None
     if function.decorators or _yields(function) or (parents.get(function) is not module and cls is None):
@@ -136,18 +147,58 @@ def _sites(
     public = cls.name.value if cls is not None else name
     if public in exported or ("*" in exported and not public.startswith("_")):
         where = exported.get(public) or exported["*"]
+        if escapes is not None and cls is None:
+            escapes[name] = shape
         whose = f" (its `{name}` returns {what})" if cls is not None else f", which returns {what},"
         return f"`{public}`{whose} is {where}: the calls made there are not followed"
-    call = f"obj.{name}" if cls is not None else name
+    return _call_sites(name, what, parents, module, builder, shape, method=cls is not None, skip=function.name)
+
+
+def imported_models(
+    local: str,
+    shape: tuple[int, int] | None,
+    parents: Parents,
+    module: cst.Module,
+    exported: Mapping[str, str],
+    escapes: Escapes,
+) -> set[str] | str:
+    """For a function of another file that returns the wrapped model (at `shape` in its result) and that this file
+    imports as `local` (cross_file.py): the names the model reaches here, or why the text does not show every place
+    it goes. This file's functions it is returned on through go to `escapes` where other files import them."""
+    sites = _call_sites(local, "a wrapped model", parents, module, True, shape, method=False, skip=None)
+    if isinstance(sites, str):
+        return sites
+    models: set[str] = set()
+    for site, target in sites.targets():
+        models.add(target)
+        reason = _follow(site, target, parents, module, exported, models, True, escapes)
+        if reason is not None:
+            return reason
+    return models
+
+
+def _call_sites(
+    name: str,
+    what: str,
+    parents: Parents,
+    module: cst.Module,
+    builder: bool,
+    shape: tuple[int, int] | None,
+    method: bool,
+    skip: cst.Name | None,
+) -> Sites | str:
+    """The `target = name(...)` statements (`target = obj.name(...)` for a `method`) that are the file's only
+    mentions of `name` but `skip` (its def) and imports."""
+    call = f"obj.{name}" if method else name
     mentions = _Mentions(name)
     module.visit(mentions)
     sites = []
     for found in mentions.found:
-        if found is function.name:
+        if found is skip or _imported(found, parents):
             continue
         callee: cst.CSTNode = found
         attribute = parents.get(found)
-        if cls is not None and isinstance(attribute, cst.Attribute) and attribute.attr is found:
+        if method and isinstance(attribute, cst.Attribute) and attribute.attr is found:
             callee = attribute
         called = parents.get(callee)
         assign = parents.get(called) if isinstance(called, cst.Call) and called.func is callee else None
@@ -155,7 +206,7 @@ def _sites(
         target = assign.targets[0].target if isinstance(assign, cst.Assign) and len(assign.targets) == 1 else None
         bound = _unpacked(target, shape)
         if not (
-            (callee is not found) == (cls is not None)
+            (callee is not found) == method
             and (isinstance(bound, cst.Name) or (builder and isinstance(bound, cst.Attribute)))
             and isinstance(line, cst.SimpleStatementLine)
             and len(line.body) == 1
@@ -164,7 +215,7 @@ def _sites(
             form = f"name = {call}(...)" if shape is None else f"{_names(*shape)} = {call}(...)"
             return f"`{name}`, which returns {what}, is used other than as `{form}`"
         sites.append(line)
-    if not sites:
+    if not sites and skip is not None:
         return f"`{name}` returns {what} and is not called in this file: its callers' calls are elsewhere"
     return Sites(name, tuple(sites), None if shape is None else shape[0])
 
@@ -196,6 +247,7 @@ def returned(
     exported: Mapping[str, str] | None = None,
     builder: bool = False,
     uncalled: bool = False,
+    escapes: Escapes | None = None,
 ) -> Sites | str | None:
     """The call sites the model bound (or set) by `statement` is returned to; None where the function holding it
     does not return it (nothing to follow); a reason where it does and the text does not show where it goes."""
@@ -222,7 +274,7 @@ def returned(
     place = _place(value, model, name, opaque)
     if isinstance(place, str):
         return place
-    return _sites(function, f"`{model}`", parents, module, exported or {}, builder, place)
+    return _sites(function, f"`{model}`", parents, module, exported or {}, builder, place, escapes)
 
 
 def exported_names(module: cst.Module) -> dict[str, str]:
@@ -250,6 +302,7 @@ class Builders:
     models: set[str] = field(default_factory=set)  # the callers' names (code) the wrapped model is bound to
     # the FSDP(...) calls in an expression, which stay FSDP1's -> the finding's (what, why)
     refused: dict[cst.Call, tuple[str, str]] = field(default_factory=dict)
+    escapes: Escapes = field(default_factory=dict)  # module-level functions returning the model to other files
 
     def returning(self, statement: cst.BaseSmallStatement) -> tuple[str, cst.Call] | None:
         """For a mapped `return FSDP(...)`: the module's name and the call."""
@@ -267,8 +320,8 @@ _UNFOLLOWED = (
 )
 _FIX = (
     "bind it to a name in a statement of its own (`model = FSDP(...)`), return that name alone or in a tuple, and have "
-    "each caller bind the function's result to a name (`model = build(...)`, `model, optim = build(...)`), then "
-    "migrate again"
+    "each caller bind the function's result to a name (`model = build(...)`, `model, optim = build(...)`; in another "
+    "file, imported by name: `from lib import build`), then migrate again"
 )
 _EXPRESSION = (
     "`FSDP(...)` used as an expression",
@@ -291,7 +344,7 @@ def builders(
             statement = parents.get(parents.get(call) or call)
             found: set[str] = set()
             if isinstance(statement, cst.SimpleStatementLine):
-                why = _follow(statement, constructions[call], parents, module, exported, found, uncalled=True)
+                why = _follow(statement, constructions[call], parents, module, exported, found, True, out.escapes)
                 if why is not None:
                     out.refused[call] = (f"`{constructions[call]} = FSDP(...)`", f"{why}; {_UNFOLLOWED}")
                     continue
@@ -302,14 +355,19 @@ def builders(
         if function is None:
             out.refused[call] = _EXPRESSION
             continue
+        if not _yields(function) and _uncalled(function, parents, module, exported):
+            out.returned[call] = _name_for(call, function)  # its callers are outside what the tool is given
+            continue
         returns = _Returns(function)
         function.visit(returns)
-        sites = _shape(function, returns) or _sites(function, "`FSDP(...)`", parents, module, exported, True)
+        sites = _shape(function, returns) or _sites(
+            function, "`FSDP(...)`", parents, module, exported, True, escapes=out.escapes
+        )
         models: set[str] = set()
         reason = sites if isinstance(sites, str) else None
         for site, target in sites.targets() if isinstance(sites, Sites) else ():
             models.add(target)
-            reason = reason or _follow(site, target, parents, module, exported, models)
+            reason = reason or _follow(site, target, parents, module, exported, models, True, out.escapes)
         if reason is not None:
             out.refused[call] = (f"`return FSDP(...)` in `{function.name.value}`", f"{reason}; {_UNFOLLOWED}")
             continue
@@ -332,6 +390,7 @@ def _follow(
     exported: Mapping[str, str],
     models: set[str],
     uncalled: bool = False,
+    escapes: Escapes | None = None,
 ) -> str | None:
     """The names the model bound to `name` by `statement` reaches through `name = function(...)` returns, added to
     `models`; why it also reaches places the text does not show (None: it does not). `uncalled`: a function called
@@ -343,7 +402,7 @@ def _follow(
         if id(statement) in seen:
             continue
         seen.add(id(statement))
-        sites = returned(statement, name, parents, module, exported, builder=True, uncalled=uncalled)
+        sites = returned(statement, name, parents, module, exported, True, uncalled, escapes)
         if isinstance(sites, str):
             return sites
         if sites is None:

@@ -53,7 +53,8 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     bindings = Bindings(wrapper)
     exported = {**exported_names(wrapper.module), **facts.read_elsewhere}  # callers elsewhere are not followed
     survey.follow_builders(bindings.parents, wrapper.module, exported)
-    set_types = SetTypes(code, bindings, exported)
+    survey.models |= facts.imported_models
+    set_types = SetTypes(code, bindings, {**exported, **facts.followed_elsewhere})
     wrapper.visit(set_types)
     if set_types.findings:  # a state-dict type it cannot follow: the whole file stays FSDP1 (state_dict_type.py)
         return MigrationResult(source, source, sorted(set_types.findings, key=lambda f: f.line))

@@ -203,12 +203,7 @@ _STAYS = {
         {"caller": "model = build_model(4)\n    print(build_model(4).state_dict())"},
         "used other than as",
     ),
-    "called nowhere": ({"caller": "model = nn.Linear(4, 4)"}, "is not called in this file"),
     "exported": ({"extra": '__all__ = ["build_model"]\n'}, "exported by `__all__`"),
-    "returned on, to nowhere": (
-        {"caller": "model = nn.Linear(4, 4)", "extra": "\ndef make():\n    built = build_model(4)\n    return built\n"},
-        "`make` returns `built` and is not called in this file",
-    ),
     "two returns": (
         {"body": "if width < 0:\n        return None\n    return FSDP(nn.Linear(width, width))"},
         "more than one place",
@@ -241,6 +236,25 @@ def test_the_plain_builder_is_mapped(changes: dict[str, str]) -> None:
     assert "return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), " in result.migrated
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"caller": "model = nn.Linear(4, 4)"},
+        {"caller": "model = nn.Linear(4, 4)", "extra": "\ndef make():\n    built = build_model(4)\n    return built\n"},
+    ],
+    ids=["called nowhere", "returned on, to nowhere"],
+)
+def test_a_builder_called_nowhere_is_mapped_as_any_model_it_returns(changes: dict[str, str]) -> None:
+    """Its callers are outside the files the tool is given, as for `wrapped = FSDP(...); return wrapped` and any name a
+    file migrated alone defines (a program's other files are followed: test_migrate_cross_file): sharded as before,
+    and nothing said of it."""
+    result = migrate_source(_builder(**changes))
+    assert "    model = nn.Linear(width, width)\n    fully_shard(model)\n    return model\n" in result.migrated
+    assert not [f for f in result.findings if "build_model" in f.what + f.why], [
+        f.format("x.py") for f in result.findings
+    ]
+
+
 @pytest.mark.parametrize(("changes", "why"), _STAYS.values(), ids=list(_STAYS))
 def test_a_result_the_text_does_not_follow_keeps_the_file(changes: dict[str, str], why: str) -> None:
     """Mapped, the construction would become FSDP2's and the calls made on its result elsewhere would stay as written
@@ -258,18 +272,17 @@ def test_a_result_the_text_does_not_follow_keeps_the_file(changes: dict[str, str
     assert (again.migrated, again.findings) == (source, result.findings)
 
 
-def test_a_builder_imported_by_another_file_of_the_program_stays(tmp_path: Path) -> None:
-    """train.py's calls on what build_model() returns are in another file: models.py stays as it is, and train.py
-    with it (it imports from a file that stays FSDP1)."""
+def test_a_builder_read_as_an_attribute_by_another_file_of_the_program_stays(tmp_path: Path) -> None:
+    """train.py reads `models.build_model`, a form the tool does not follow across files (`from models import
+    build_model` it does: test_migrate_cross_file): models.py stays as it is, and train.py with it (it imports from a
+    file that stays FSDP1)."""
     models, train = str(tmp_path / "models.py"), str(tmp_path / "train.py")
-    caller = (
-        "from models import build_model\n\n\ndef run():\n    model = build_model(4)\n    return model.state_dict()\n"
-    )
+    caller = "import models\n\n\ndef run():\n    model = models.build_model(4)\n    return model.state_dict()\n"
     source = _builder()
     program = migrate_program({models: source, train: caller})
     result = program.results[models]
     assert result.migrated == source
-    assert any(f"is imported by {train}" in f.why for f in result.findings), [f.format("m") for f in result.findings]
+    assert any(f"is used by {train}:5" in f.why for f in result.findings), [f.format("m") for f in result.findings]
     assert program.results[train].migrated == caller
     # alone, nothing shows the other file: the builder is followed to its callers here
     assert migrate_source(source).changed

@@ -1,0 +1,233 @@
+"""`fsdp-legacy migrate` on a program whose model is built in one file and trained in another: `def build(...): ...
+return FSDP(net, ...)` in model_lib.py, `from model_lib import build` and `model = build(...)` in train.py (and
+through a third file that returns it on). Followed across the files: the builder becomes fully_shard code and the
+caller's calls on `model` (no_sync, clip_grad_norm_, the FULL checkpoint's state_dict_type block, FSDP1's default
+FULL `state_dict()`) become FSDP2's. Where a caller uses the builder any other way, or stays FSDP1 itself, both files
+stay as they are, byte for byte, and say why. The oracle is torch's FSDP1 running the original program beside the
+migrated one at 2 ranks: the same losses and FULL checkpoint, and the FSDP2 program resuming from FSDP1's
+checkpoint as FSDP1 itself does."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("libcst")
+
+from test_migrate import _fsdp1_names
+
+from fsdp_legacy.migrate.program import migrate_program
+
+_MODEL_LIB = """
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+
+    def forward(self, x):
+        return x + self.inner(x)
+
+
+def build(width):
+    torch.manual_seed(0)
+    net = nn.Sequential(Block(width), Block(width), nn.Linear(width, 1))
+    return FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+
+
+def build_with_optimizer(width, lr):
+    model = build(width)
+    optim = torch.optim.Adam(model.parameters(), lr=lr)
+    return model, optim
+"""
+
+_TRAIN = """
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+from model_lib import build_with_optimizer as make
+
+
+def step(model, optim, index):
+    data = torch.Generator().manual_seed(10 * index + dist.get_rank())
+    x, y = torch.randn(2, 4, 8, generator=data), torch.randn(2, 4, 1, generator=data)
+    nn.functional.mse_loss(model(x[0]), y[0]).backward()
+    model.clip_grad_norm_(0.5)
+    optim.step()
+    optim.zero_grad()
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(x[1]), y[1]).item()
+
+
+def run(path, resume):
+    model, optim = make(8, 0.01)
+    if resume:
+        state = torch.load(path, weights_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            model.load_state_dict(state["model"])
+            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+    losses = []
+    for index in range(2, 4) if resume else range(2):
+        data = torch.Generator().manual_seed(index)
+        with model.no_sync():  # a micro-batch accumulated without reducing
+            nn.functional.mse_loss(model(torch.randn(4, 8, generator=data)), torch.zeros(4, 1)).backward()
+        losses.append(step(model, optim, index))
+    full = model.state_dict()  # FSDP1's default type: the full state dict on every rank
+    if not resume:
+        save_policy = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)  # (True: torch's FSDP1 breaks on CPU)
+        optim_policy = FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, save_policy, optim_policy):
+            state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+        if dist.get_rank() == 0:
+            torch.save(state, path)
+        dist.barrier()
+    return losses, full
+"""
+
+
+def _program(tmp: Path) -> tuple[str, str]:
+    return str(tmp / "model_lib.py"), str(tmp / "train.py")
+
+
+def test_a_model_built_in_one_file_and_trained_in_another_is_migrated_in_both(tmp_path: Path) -> None:
+    lib, train = _program(tmp_path)
+    program = migrate_program({lib: _MODEL_LIB, train: _TRAIN})
+    for path in (lib, train):
+        result = program.results[path]
+        assert result.changed and result.findings == [], [f.format(path) for f in result.findings]
+        assert _fsdp1_names(ast.parse(result.migrated)) == set(), path
+    out = program.results[train].migrated
+    assert "    model.set_requires_gradient_sync(False)  # was: with model.no_sync():" in out
+    assert "torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)" in out
+    assert "    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in out
+    assert "fully_shard(net)\n    return net\n" in program.results[lib].migrated
+    again = migrate_program({p: r.migrated for p, r in program.results.items()})  # nothing left the second time
+    assert all(not r.changed and r.findings == [] for r in again.results.values())
+
+
+def _run_both(folder: str) -> dict[str, Any]:
+    """On a rank: each program (its files in a folder of their own, imported as modules) trained 2 steps and saved,
+    then resumed from FSDP1's checkpoint for 2 more."""
+    seen: dict[str, Any] = {}
+    for kind in ("fsdp1", "fsdp2"):
+        where = str(Path(folder) / kind)
+        sys.path.insert(0, where)
+        try:
+            train = importlib.import_module("train")
+            seen[kind] = {
+                "first": train.run(f"{folder}/{kind}.pt", resume=False),
+                "resumed": train.run(f"{folder}/fsdp1.pt", resume=True),
+            }
+        finally:
+            sys.path.remove(where)
+            for name in ("model_lib", "train"):
+                sys.modules.pop(name, None)
+    return seen
+
+
+def test_the_migrated_program_trains_saves_and_resumes_as_fsdp1(ranks: Any, tmp_path: Path) -> None:
+    lib, train = _program(tmp_path)
+    program = migrate_program({lib: _MODEL_LIB, train: _TRAIN})
+    for kind, files in (
+        ("fsdp1", {"model_lib.py": _MODEL_LIB, "train.py": _TRAIN}),
+        ("fsdp2", {"model_lib.py": program.results[lib].migrated, "train.py": program.results[train].migrated}),
+    ):
+        (tmp_path / kind).mkdir()
+        for name, text in files.items():
+            (tmp_path / kind / name).write_text(text)
+    for seen in ranks(_run_both, 2, str(tmp_path)):
+        (losses1, full1), (losses2, full2) = seen["fsdp1"]["first"], seen["fsdp2"]["first"]
+        assert losses2 == pytest.approx(losses1, rel=1e-5)  # (clipping sums the norm in another order)
+        assert full1.keys() == full2.keys()
+        assert all(torch.allclose(full1[k], full2[k], rtol=1e-5, atol=1e-7) for k in full1)
+        (resumed1, _), (resumed2, _) = seen["fsdp1"]["resumed"], seen["fsdp2"]["resumed"]
+        assert resumed2 == pytest.approx(resumed1, rel=1e-5)
+
+
+_TRAINER_LIB = """
+from model_lib import build
+
+
+def setup(width):
+    model = build(width)
+    return model
+"""
+
+_CHAINED_TRAIN = """
+from trainer_lib import setup
+
+
+def run():
+    model = setup(8)
+    model.clip_grad_norm_(1.0)
+    return model.state_dict()
+"""
+
+
+def test_a_model_returned_on_through_a_third_file_is_followed(tmp_path: Path) -> None:
+    lib, train = _program(tmp_path)
+    trainer = str(tmp_path / "trainer_lib.py")
+    program = migrate_program({lib: _MODEL_LIB, trainer: _TRAINER_LIB, train: _CHAINED_TRAIN})
+    out = program.results[train].migrated
+    assert program.results[lib].changed and not program.results[trainer].changed
+    assert all(r.findings == [] for r in program.results.values()), {
+        p: [f.format(p) for f in r.findings] for p, r in program.results.items()
+    }
+    assert "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)" in out
+    assert "return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in out
+
+
+# how train.py uses the builder -> a word of the reason the builder's file gives
+_NOT_FOLLOWED = {
+    "read as an attribute": ("import model_lib\n", "model_lib.build_with_optimizer(8, 0.01)", "is used by"),
+    "a star import": ("from model_lib import *\n", "build_with_optimizer(8, 0.01)", "is imported by"),
+    "its result handed on": (
+        "from model_lib import build_with_optimizer\n",
+        "keep(build_with_optimizer(8, 0.01))",
+        "is used other than as `model, _ = build_with_optimizer(...)`",
+    ),
+}
+
+
+@pytest.mark.parametrize(("imports", "call", "why"), _NOT_FOLLOWED.values(), ids=list(_NOT_FOLLOWED))
+def test_a_caller_the_tool_does_not_follow_keeps_both_files(tmp_path: Path, imports: str, call: str, why: str) -> None:
+    lib, train = _program(tmp_path)
+    caller = f"{imports}\n\ndef run():\n    model, optim = {call}\n    return model.state_dict()\n"
+    if "keep(" in call:
+        caller = f"{imports}\n\ndef run():\n    {call}\n"
+    program = migrate_program({lib: _MODEL_LIB, train: caller})
+    assert program.results[lib].migrated == _MODEL_LIB and program.results[train].migrated == caller
+    reasons = [f.why for f in program.results[lib].findings]
+    assert any(why in r for r in reasons), [f.format(lib) for f in program.results[lib].findings]
+
+
+def test_a_caller_that_stays_fsdp1_keeps_the_builder_fsdp1(tmp_path: Path) -> None:
+    """train.py's LOCAL state-dict block has no FSDP2 counterpart: it stays FSDP1, reported, so the model it binds
+    must stay FSDP1's, and model_lib.py is left as it is too, saying so."""
+    lib, train = _program(tmp_path)
+    caller = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType\n"
+        "from model_lib import build\n\n\ndef run():\n    model = build(8)\n"
+        "    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):\n        return model.state_dict()\n"
+    )
+    program = migrate_program({lib: _MODEL_LIB, train: caller})
+    assert program.results[train].migrated == caller and program.results[train].findings
+    result = program.results[lib]
+    assert result.migrated == _MODEL_LIB
+    assert any(f"returns its wrapped model to {train}, which stays FSDP1" in f.why for f in result.findings), [
+        f.format(lib) for f in result.findings
+    ]
