@@ -302,9 +302,19 @@ def _step(case: Case, model: nn.Module, optim: Any, clip: tuple | None, seen: li
     seen.append(("grads", _grads(model)))
     if clip is not None:
         seen.append(("clip", observe(model.clip_grad_norm_(clip[0], norm_type=clip[1]))))
+        _restore_torch_zero(model)
         seen.append(("clipped grads", _grads(model)))
     optim.step()
     optim.zero_grad()
+
+
+def _restore_torch_zero(model: nn.Module) -> None:
+    """torch's FSDP1 bug (docs/compatibility.md): on a rank without gradients, clip_grad_norm_(norm_type=inf)
+    all-reduces the norm in place into the zero it caches (`_zero_scalar`), which every later norm on that rank then
+    counts (seed 235 on 4 ranks). The zero is put back, so that the oracle stays right for the calls after."""
+    zero = getattr(model, "_zero_scalar", None) if not _is_ours() else None
+    if isinstance(zero, torch.Tensor):
+        zero.zero_()
 
 
 def _state_dict_configs(kind: str) -> tuple[Any, Any, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import pytest
 import torch
 from parameterized import parameterized
 from torch import nn
@@ -296,3 +297,32 @@ def test_a_local_dict_with_orig_params_loads_strictly_where_torch_refuses_its_ow
         assert ours["strict=True"] == ours["strict=False"] == ("loaded", [], []), observed
         assert ours["strict=True: values as saved"] and ours["strict=False: values as saved"], observed
         assert theirs["strict=False: values as saved"], observed
+
+
+def _clip_inf_then_two() -> dict[str, Any]:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    FSDP = fsdp.FullyShardedDataParallel
+    torch.manual_seed(0)
+    model = _FSDP(nn.Linear(1, 1, bias=False), use_orig_params=True)  # one element: rank 1 holds only padding
+    seen: dict[str, Any] = {}
+    for step, norm_type in enumerate((float("inf"), 2.0, 2.0)):
+        model(torch.full((2, 1), 1.0 + step + torch.distributed.get_rank())).sum().backward()
+        with FSDP.summon_full_params(model, with_grads=True):
+            full = torch.cat([p.grad.flatten() for p in model.parameters()])
+        seen[f"step {step}: local gradient"] = next(model.parameters()).grad is not None
+        seen[f"step {step}: norm"] = float(model.clip_grad_norm_(10.0, norm_type=norm_type))
+        seen[f"step {step}: expected"] = float(torch.linalg.vector_norm(full, norm_type))
+        model.zero_grad()
+    return seen
+
+
+def test_clip_grad_norm_after_an_inf_norm_on_a_rank_without_gradients() -> None:
+    """Seed 235 on 4 ranks: on a rank whose shard holds no parameter's elements, torch's FSDP1 all-reduces the inf
+    norm in place into the zero tensor it caches for ranks without gradients, so every later norm counts the old inf
+    norm once more on that rank (here 5.83 = sqrt(5² + 3²) where the norm is 5, then 7.62 for 7), silently. Ours
+    stays right. Oracle: the norm of the full gradients (summon_full_params(with_grads=True)). The fuzzer puts
+    torch's zero back after each clip so that its later observations keep an oracle."""
+    for rank, observed in enumerate(_run_ours(_clip_inf_then_two)):
+        assert observed["step 0: local gradient"] == (rank == 0), observed
+        for step in range(3):
+            assert observed[f"step {step}: norm"] == pytest.approx(observed[f"step {step}: expected"]), observed
