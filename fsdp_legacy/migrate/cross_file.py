@@ -25,11 +25,13 @@ _ROUNDS = 8  # a model returned on from file to file: one round per file of the 
 
 @dataclass(frozen=True)
 class Caller:
-    """`caller` binds the model that `function` of `builder` returns (directly, or through the files between)."""
+    """`caller` binds the model that `function` of `builder` returns (directly, or through the files between), or
+    hands `function` its model."""
 
     builder: str
     function: str
     caller: str
+    handed: bool = False  # the caller hands its model to `function` (handed_models.py) rather than binding its result
 
 
 @dataclass(frozen=True)

@@ -42,3 +42,9 @@ class FileFacts:
     # this file's functions returning the model to callers in other files, which cross_file.py follows (-> where):
     # a state-dict type set on it there is not followed
     followed_elsewhere: Mapping[str, str] = field(default_factory=dict)
+    # this file's module-level functions -> the parameters every call in the program gives a wrapped model
+    # (handed_models.py)
+    wrapped_params: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # whether another file hands a wrapped model to a function here (followed or not): its FSDP1 calls are looked
+    # at even where the file names no FSDP
+    receives_models: bool = False

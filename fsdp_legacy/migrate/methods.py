@@ -73,7 +73,8 @@ class _Blocks(cst.CSTVisitor):
 
 
 def function_models(t: Fsdp1ToFsdp2, node: cst.CSTNode) -> frozenset[str]:
-    """The models of the state_dict_type blocks of the function holding `node` that it does not rebind."""
+    """The models of the state_dict_type blocks of the function holding `node`, and the parameters every caller in
+    the program hands a wrapped model (handed_models.py), that it does not rebind."""
     parents = t.resume.bindings.parents
     function: cst.CSTNode | None = node
     while function is not None and not isinstance(function, cst.FunctionDef):
@@ -84,7 +85,9 @@ def function_models(t: Fsdp1ToFsdp2, node: cst.CSTNode) -> frozenset[str]:
     if function not in cache:
         found = _Blocks(t)
         function.body.visit(found)
-        cache[function] = frozenset(m for m in found.models if m not in found.bound)
+        handed = t.facts.wrapped_params.get(function.name.value, frozenset())
+        handed = handed if parents.get(function) is t.module else frozenset()
+        cache[function] = frozenset(m for m in found.models | handed if m not in found.bound)
     return cache[function]
 
 

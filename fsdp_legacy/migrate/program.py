@@ -6,8 +6,9 @@ is treated the same way in both, so the program ends up all FSDP2, or a file sta
   where every construction that takes it does.
 - A file that stays FSDP1 (refused as a whole, or with FSDP(...) calls left FSDP1) keeps every file importing from
   it as it is too: what they get from it is FSDP1's.
-- A function of one file that returns the wrapped model to callers in others (cross_file.py): where they are
-  followed, a caller's file left FSDP1 keeps the builder's file FSDP1 too, since the model it gets is the builder's."""
+- A function of one file that returns the wrapped model to callers in others (cross_file.py), or that they hand
+  their wrapped model (handed_models.py): where they are followed, a caller's file left FSDP1 keeps the function's
+  file FSDP1 too, since the model is the same on both sides."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from libcst.metadata import MetadataWrapper
 from . import policies
 from .cross_file import Caller, follow_across
 from .facts import FileFacts
+from .handed_models import follow_handed
 from .report import Finding, MigrationResult
 from .rewriter import migrate_source
 from .subclasses import REFUSED, Subclasses, program_refusal
@@ -64,6 +66,8 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
     every = {name: where for found in defined.values() for name, where in found.items()}
     shared = policies.Shared(wrappers)
     cross = follow_across(wrappers, sources, shared)
+    handed = follow_handed(wrappers, sources, shared, cross)
+    callers = cross.callers | handed.callers
     results: dict[str, MigrationResult] = {}
     forced: dict[str, str] = {}  # files left FSDP1 because they import from one that stays FSDP1 -> that file
     held: dict[str, Caller] = {}  # files left FSDP1 because a caller of their model stays FSDP1
@@ -82,6 +86,8 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
                 reads,
                 cross.models.get(path, frozenset()),
                 cross.followed.get(path, {}),
+                handed.params.get(path, {}),
+                path in handed.receiving,
             )
             if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
                 result = last[path][1]
@@ -93,7 +99,7 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
             results[path] = result if path not in forced else _importing(result, forced[path])
             if path in held:
                 results[path] = _held(results[path], held[path])
-        grew = _propagate(results, shared, forced, cross.callers, held)
+        grew = _propagate(results, shared, forced, callers, held)
         before, reads = reads, frozenset().union(*(r.run_time_reads for r in results.values()))
         if not shared.update(results) and not grew and reads == before:  # every file decided as the last round
             break
@@ -120,12 +126,17 @@ def _importing(result: MigrationResult, source: str) -> MigrationResult:
 
 def _held(result: MigrationResult, caller: Caller) -> MigrationResult:
     """A file left as it is because the model its function returns goes to a file that stays FSDP1."""
-    why = (
-        f"`{caller.function}` returns its wrapped model to {caller.caller}, which stays FSDP1 (reported there): "
-        "FSDP1's calls there would meet an FSDP2 model; the file is left as it is, as a whole"
-    )
-    fix = f"migrate {caller.caller} first"
-    finding = Finding(1, f"`{caller.function}`'s model goes to {caller.caller}, which stays FSDP1", why, fix, REFUSED)
+    if caller.handed:
+        what = f"`{caller.function}` is handed its model by {caller.caller}, which stays FSDP1"
+        why = f"{what} (reported there): FSDP2's calls here would meet an FSDP1 model"
+    else:
+        what = f"`{caller.function}`'s model goes to {caller.caller}, which stays FSDP1"
+        why = (
+            f"`{caller.function}` returns its wrapped model to {caller.caller}, which stays FSDP1 (reported there): "
+            "FSDP1's calls there would meet an FSDP2 model"
+        )
+    why += "; the file is left as it is, as a whole"
+    finding = Finding(1, what, why, f"migrate {caller.caller} first", REFUSED)
     return MigrationResult(result.source, result.source, [finding, *result.findings], result.fsdp1_constructions)
 
 

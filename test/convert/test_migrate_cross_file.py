@@ -231,3 +231,135 @@ def test_a_caller_that_stays_fsdp1_keeps_the_builder_fsdp1(tmp_path: Path) -> No
     assert any(f"returns its wrapped model to {train}, which stays FSDP1" in f.why for f in result.findings), [
         f.format(lib) for f in result.findings
     ]
+
+
+# -- a wrapped model handed to another file's function (fms-fsdp's `train(cfg, model, ...)`) -----------------------
+
+_TRAIN_UTILS = """
+import torch
+import torch.nn as nn
+
+
+def train(cfg, model, optimizer, first, steps):
+    model.train()
+    losses = []
+    for index in range(first, first + steps):
+        data = torch.Generator().manual_seed(10 * index + torch.distributed.get_rank())
+        loss = nn.functional.mse_loss(model(torch.randn(4, 8, generator=data)), torch.zeros(4, 1))
+        loss.backward()
+        norm = model.clip_grad_norm_(cfg["clip"])
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append((loss.item(), norm.item()))
+    return losses
+
+
+def save(model):
+    return model.state_dict()  # FSDP1's default type: the full state dict on every rank
+"""
+
+_MAIN = """
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from train_utils import save, train
+
+
+def run():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 1))
+    policy = ModuleWrapPolicy({nn.Sequential})
+    model = FSDP(net, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = train({"clip": 0.3}, model, optimizer, 0, 2)
+    losses += train({"clip": 0.3}, model=model, optimizer=optimizer, first=2, steps=2)
+    return losses, save(model)
+"""
+
+
+def test_a_model_handed_to_another_files_function_is_the_wrapped_model_there(tmp_path: Path) -> None:
+    """train_utils.py names no FSDP at all: before, it was left as written, `model.clip_grad_norm_` and FSDP1's
+    default full `state_dict()` on what became an FSDP2 model (an AttributeError, and each rank's DTensor shards),
+    silently."""
+    utils, main = str(tmp_path / "train_utils.py"), str(tmp_path / "main.py")
+    program = migrate_program({utils: _TRAIN_UTILS, main: _MAIN})
+    assert all(r.changed and r.findings == [] for r in program.results.values()), {
+        p: [f.format(p) for f in r.findings] for p, r in program.results.items()
+    }
+    out = program.results[utils].migrated
+    assert 'norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])' in out
+    assert "return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in out
+
+
+def _run_handed(folder: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for kind in ("fsdp1", "fsdp2"):
+        where = str(Path(folder) / kind)
+        sys.path.insert(0, where)
+        try:
+            seen[kind] = importlib.import_module("main").run()
+        finally:
+            sys.path.remove(where)
+            for name in ("train_utils", "main"):
+                sys.modules.pop(name, None)
+    return seen
+
+
+def test_the_handed_model_trains_as_fsdp1(ranks: Any, tmp_path: Path) -> None:
+    utils, main = str(tmp_path / "train_utils.py"), str(tmp_path / "main.py")
+    program = migrate_program({utils: _TRAIN_UTILS, main: _MAIN})
+    for kind, files in (
+        ("fsdp1", {"train_utils.py": _TRAIN_UTILS, "main.py": _MAIN}),
+        ("fsdp2", {"train_utils.py": program.results[utils].migrated, "main.py": program.results[main].migrated}),
+    ):
+        (tmp_path / kind).mkdir()
+        for name, text in files.items():
+            (tmp_path / kind / name).write_text(text)
+    for seen in ranks(_run_handed, 2, str(tmp_path)):
+        (losses1, full1), (losses2, full2) = seen["fsdp1"], seen["fsdp2"]
+        assert [loss for loss, _ in losses2] == pytest.approx([loss for loss, _ in losses1], rel=1e-5)
+        assert [norm for _, norm in losses2] == pytest.approx([norm for _, norm in losses1], rel=1e-5)
+        assert full1.keys() == full2.keys()
+        assert all(torch.allclose(full1[k], full2[k], rtol=1e-5, atol=1e-7) for k in full1)
+
+
+_UNFOLLOWED_CALLS = {
+    "one call hands the unwrapped module": ("    return losses, save(model)\n", "    return losses, save(model)\n"
+                                            "\n\ndef more(model):\n    return train({}, model.module, None, 0, 0)\n"),
+    "also read as a module": ("from train_utils import save, train\n",
+                              "import train_utils\nfrom train_utils import save, train\nSTEP = train_utils.train\n"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("change", _UNFOLLOWED_CALLS.values(), ids=list(_UNFOLLOWED_CALLS))
+def test_a_function_not_always_handed_the_model_is_reported_not_followed(tmp_path: Path, change: tuple) -> None:
+    """train() is left as written; since some call hands it a wrapped model, its FSDP1 method on `model` is reported,
+    though its file names no FSDP (before, it was left unreported)."""
+    utils, main = str(tmp_path / "train_utils.py"), str(tmp_path / "main.py")
+    program = migrate_program({utils: _TRAIN_UTILS, main: _MAIN.replace(*change)})
+    result = program.results[utils]
+    assert '        norm = model.clip_grad_norm_(cfg["clip"])\n' in result.migrated
+    assert any("clip_grad_norm_" in f.what for f in result.findings), [f.format(utils) for f in result.findings]
+
+
+def test_a_caller_that_stays_fsdp1_keeps_the_function_fsdp1(tmp_path: Path) -> None:
+    """main.py's LOCAL state-dict block keeps it FSDP1, so the model it hands train() is FSDP1's: train_utils.py is
+    left as it is, saying so (its torch.nn.utils clipping would take each rank's shards' norm)."""
+    utils, main = str(tmp_path / "train_utils.py"), str(tmp_path / "main.py")
+    caller = _MAIN.replace(
+        "import FullyShardedDataParallel as FSDP\n", "import FullyShardedDataParallel as FSDP, StateDictType\n"
+    )
+    caller = caller.replace(
+        "    return losses, save(model)\n",
+        "    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):\n"
+        "        return losses, model.state_dict()\n",
+    )
+    program = migrate_program({utils: _TRAIN_UTILS, main: caller})
+    assert program.results[main].migrated == caller and program.results[main].findings
+    result = program.results[utils]
+    assert result.migrated == _TRAIN_UTILS
+    assert any(f"is handed its model by {main}, which stays FSDP1" in f.what for f in result.findings), [
+        f.format(utils) for f in result.findings
+    ]

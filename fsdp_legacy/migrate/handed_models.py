@@ -1,0 +1,140 @@
+"""A wrapped model handed to a function of another file: fms-fsdp's `train(cfg, model, ...)` in
+utils/train_utils.py, called by each main_training*.py as `train(cfg, model, ...)` with the model it wrapped.
+
+Where every call of a module-level function in the program (its own file's too) hands a wrapped model of the
+calling file at a parameter's place, by position or keyword, that parameter is the wrapped model inside the function
+where it does not rebind it (methods.py: `model.clip_grad_norm_(...)`, `model.state_dict()`, `model.no_sync()`).
+Followed only where the function is imported by name (`from utils import train`), not listed in `__all__`, read as
+`utils.train` or star-imported, and every mention of it is a call without `*args` or `**kwargs`. A calling file that
+stays FSDP1 keeps the function's file FSDP1 too (program.py): FSDP2's calls there would meet an FSDP1 model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, ParentNodeProvider
+
+from .cross_file import Caller, CrossFile
+from .policies import Shared
+from .returned_model import exported_names
+from .survey import Survey
+
+
+@dataclass(frozen=True)
+class Handed:
+    # path -> function -> its parameters every call hands a wrapped model
+    params: Mapping[str, Mapping[str, frozenset[str]]] = field(default_factory=dict)
+    callers: frozenset[Caller] = frozenset()
+    # the files some of whose functions are handed a wrapped model by some call but not followed: their FSDP1 calls
+    # are looked at (and reported) even where the file names no FSDP
+    receiving: frozenset[str] = frozenset()
+
+
+def _known(wrapper: MetadataWrapper, exported: Mapping[str, str], imported: frozenset[str]) -> frozenset[str]:
+    """The names a file binds to a wrapped model (survey.py, returned_model.py, cross_file.py)."""
+    survey = Survey()
+    wrapper.visit(survey)
+    survey.follow_builders(wrapper.resolve(ParentNodeProvider), wrapper.module, exported)
+    return frozenset(survey.models | imported)
+
+
+def _calls(wrapper: MetadataWrapper, local: str, definition: cst.Name | None) -> list[cst.Call] | None:
+    """The calls of `local` in a file, or None where it is mentioned other than as a call's callee (imports and its
+    own def aside)."""
+    parents = wrapper.resolve(ParentNodeProvider)
+    calls: list[cst.Call] = []
+
+    class _Mentions(cst.CSTVisitor):
+        ok = True
+
+        def visit_Import(self, node: cst.Import) -> bool:
+            return False
+
+        def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            if node.value != local or node is definition:
+                return
+            call = parents.get(node)
+            if isinstance(call, cst.Attribute) and call.attr is node:
+                return  # `model.train()`: another name
+            if isinstance(call, cst.Call) and call.func is node:
+                calls.append(call)
+            else:
+                self.ok = False
+
+    found = _Mentions()
+    wrapper.module.visit(found)
+    return calls if found.ok else None
+
+
+def _handed(call: cst.Call, function: cst.FunctionDef, models: frozenset[str]) -> set[str]:
+    """The parameters of `function` that `call` gives one of `models`."""
+    params = function.params
+    positional = [p.name.value for p in (*params.posonly_params, *params.params)]
+    keywords = {p.name.value for p in (*params.params, *params.kwonly_params)}
+    if any(a.star for a in call.args):
+        return set()
+    given: set[str] = set()
+    for index, arg in enumerate(call.args):
+        name = arg.keyword.value if arg.keyword is not None else None
+        if name is None:
+            name = positional[index] if index < len(positional) else None
+        elif name not in keywords:
+            name = None
+        if name is not None and cst.Module([]).code_for_node(arg.value) in models:
+            given.add(name)
+    return given
+
+
+def _importing(path: str, imports: Mapping[str, list[tuple[str, str, str]]]) -> list[tuple[str, str, str]]:
+    """The files importing names from `path`: (file, name, local)."""
+    return [(p, n, local) for p, found in imports.items() for s, n, local in found if s == path]
+
+
+def follow_handed(
+    wrappers: Mapping[str, MetadataWrapper], sources: Mapping[str, str], shared: Shared, cross: CrossFile
+) -> Handed:
+    """Each function of the program's files that other files import, with the parameters every call gives a
+    wrapped model."""
+    imports = {path: shared.named_imports(path) for path in wrappers}
+    known: dict[str, frozenset[str]] = {}
+
+    def models(path: str) -> frozenset[str]:
+        if path not in known:
+            exported = {**exported_names(wrappers[path].module), **cross.read_elsewhere.get(path, {})}
+            known[path] = _known(wrappers[path], exported, cross.models.get(path, frozenset()))
+        return known[path]
+
+    params: dict[str, dict[str, frozenset[str]]] = {}
+    callers: set[Caller] = set()
+    receiving: set[str] = set()
+    mention = {path for path, source in sources.items() if "fsdp" in source.lower()}  # (only these wrap models)
+    for path, wrapper in wrappers.items():
+        if not any(p in mention for p, _, _ in _importing(path, imports)):
+            continue
+        listed = set(exported_names(wrapper.module)) | shared.read_otherwise(path)
+        defined = [s for s in wrapper.module.body if isinstance(s, cst.FunctionDef)]
+        names = [f.name.value for f in defined]
+        for function in defined:
+            name = function.name.value
+            importers = [(p, local) for p, n, local in _importing(path, imports) if n == name]
+            if not importers or function.decorators or names.count(name) > 1 or name in listed or "*" in listed:
+                continue
+            handed: set[str] | None = None
+            for caller, local in [*importers, (path, name)]:
+                calls = _calls(wrappers[caller], local, function.name if caller == path else None)
+                for call in calls or ():
+                    given = _handed(call, function, models(caller))
+                    receiving |= {path} if given else set()
+                    handed = given if handed is None else handed & given
+                if calls is None:
+                    handed = set()
+                    break
+            if handed:
+                params.setdefault(path, {})[name] = frozenset(handed)
+                callers |= {Caller(path, name, p, handed=True) for p, _ in importers}
+    return Handed(params, frozenset(callers), frozenset(receiving))
