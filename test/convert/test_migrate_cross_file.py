@@ -119,37 +119,41 @@ def test_a_model_built_in_one_file_and_trained_in_another_is_migrated_in_both(tm
     assert all(not r.changed and r.findings == [] for r in again.results.values())
 
 
-def _run_both(folder: str) -> dict[str, Any]:
-    """On a rank: each program (its files in a folder of their own, imported as modules) trained 2 steps and saved,
-    then resumed from FSDP1's checkpoint for 2 more."""
+def _write_both(tmp_path: Path, sources: dict[str, str]) -> None:
+    """The program as written in tmp_path/fsdp1, as migrated in tmp_path/fsdp2, each file by its own name."""
+    program = migrate_program(sources)
+    for kind, texts in (("fsdp1", sources), ("fsdp2", {p: r.migrated for p, r in program.results.items()})):
+        (tmp_path / kind).mkdir()
+        for path, text in texts.items():
+            (tmp_path / kind / Path(path).name).write_text(text)
+
+
+def _in_each(folder: str, main: str, entry: Any) -> dict[str, Any]:
+    """On a rank: `entry(module, kind, folder)` with each program's `main` module imported from its own folder."""
     seen: dict[str, Any] = {}
     for kind in ("fsdp1", "fsdp2"):
-        where = str(Path(folder) / kind)
-        sys.path.insert(0, where)
+        where = Path(folder) / kind
+        sys.path.insert(0, str(where))
         try:
-            train = importlib.import_module("train")
-            seen[kind] = {
-                "first": train.run(f"{folder}/{kind}.pt", resume=False),
-                "resumed": train.run(f"{folder}/fsdp1.pt", resume=True),
-            }
+            seen[kind] = entry(importlib.import_module(main), kind, folder)
         finally:
-            sys.path.remove(where)
-            for name in ("model_lib", "train"):
-                sys.modules.pop(name, None)
+            sys.path.remove(str(where))
+            for module in where.glob("*.py"):
+                sys.modules.pop(module.stem, None)
     return seen
 
 
+def _train_and_resume(train: Any, kind: str, folder: str) -> dict[str, Any]:
+    """Trained 2 steps and saved, then resumed from FSDP1's checkpoint for 2 more."""
+    return {
+        "first": train.run(f"{folder}/{kind}.pt", resume=False),
+        "resumed": train.run(f"{folder}/fsdp1.pt", resume=True),
+    }
+
+
 def test_the_migrated_program_trains_saves_and_resumes_as_fsdp1(ranks: Any, tmp_path: Path) -> None:
-    lib, train = _program(tmp_path)
-    program = migrate_program({lib: _MODEL_LIB, train: _TRAIN})
-    for kind, files in (
-        ("fsdp1", {"model_lib.py": _MODEL_LIB, "train.py": _TRAIN}),
-        ("fsdp2", {"model_lib.py": program.results[lib].migrated, "train.py": program.results[train].migrated}),
-    ):
-        (tmp_path / kind).mkdir()
-        for name, text in files.items():
-            (tmp_path / kind / name).write_text(text)
-    for seen in ranks(_run_both, 2, str(tmp_path)):
+    _write_both(tmp_path, dict(zip(_program(tmp_path), (_MODEL_LIB, _TRAIN), strict=True)))
+    for seen in ranks(_in_each, 2, str(tmp_path), "train", _train_and_resume):
         (losses1, full1), (losses2, full2) = seen["fsdp1"]["first"], seen["fsdp2"]["first"]
         assert losses2 == pytest.approx(losses1, rel=1e-5)  # (clipping sums the norm in another order)
         assert full1.keys() == full2.keys()
@@ -293,31 +297,13 @@ def test_a_model_handed_to_another_files_function_is_the_wrapped_model_there(tmp
     assert "return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in out
 
 
-def _run_handed(folder: str) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for kind in ("fsdp1", "fsdp2"):
-        where = str(Path(folder) / kind)
-        sys.path.insert(0, where)
-        try:
-            seen[kind] = importlib.import_module("main").run()
-        finally:
-            sys.path.remove(where)
-            for name in ("train_utils", "main"):
-                sys.modules.pop(name, None)
-    return seen
+def _run_main(main: Any, kind: str, folder: str) -> Any:
+    return main.run()
 
 
 def test_the_handed_model_trains_as_fsdp1(ranks: Any, tmp_path: Path) -> None:
-    utils, main = str(tmp_path / "train_utils.py"), str(tmp_path / "main.py")
-    program = migrate_program({utils: _TRAIN_UTILS, main: _MAIN})
-    for kind, files in (
-        ("fsdp1", {"train_utils.py": _TRAIN_UTILS, "main.py": _MAIN}),
-        ("fsdp2", {"train_utils.py": program.results[utils].migrated, "main.py": program.results[main].migrated}),
-    ):
-        (tmp_path / kind).mkdir()
-        for name, text in files.items():
-            (tmp_path / kind / name).write_text(text)
-    for seen in ranks(_run_handed, 2, str(tmp_path)):
+    _write_both(tmp_path, {str(tmp_path / "train_utils.py"): _TRAIN_UTILS, str(tmp_path / "main.py"): _MAIN})
+    for seen in ranks(_in_each, 2, str(tmp_path), "main", _run_main):
         (losses1, full1), (losses2, full2) = seen["fsdp1"], seen["fsdp2"]
         assert [loss for loss, _ in losses2] == pytest.approx([loss for loss, _ in losses1], rel=1e-5)
         assert [norm for _, norm in losses2] == pytest.approx([norm for _, norm in losses1], rel=1e-5)
