@@ -350,6 +350,7 @@ def test_mem_report_of_a_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 # Help and the installed script
 
 
+@pytest.mark.heavy  # fresh interpreters, about 5 s: CI runs it after the README's tests (pytest -m heavy)
 def test_help(capsys: pytest.CaptureFixture) -> None:
     """The installed `fsdp-legacy` script runs and gives the help `python -m fsdp_legacy` gives; every subcommand's
     has examples and the exit codes."""
@@ -370,6 +371,7 @@ def test_help(capsys: pytest.CaptureFixture) -> None:
         assert f"examples:\n  fsdp-legacy {name} " in out and "exit codes:" in out
 
 
+@pytest.mark.heavy  # fresh interpreters, about 5 s: CI runs it after the README's tests (pytest -m heavy)
 def test_commands_under_the_switch() -> None:
     """The commands work in an environment with FSDP_LEGACY=1 (torch's FSDP1 names switched to ours)."""
     done = subprocess.run(

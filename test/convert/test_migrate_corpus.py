@@ -102,6 +102,7 @@ def _compare(
     return fsdp2, before
 
 
+@pytest.mark.heavy  # a whole program in other processes: CI runs it after the README's tests (pytest -m heavy)
 def test_readme_style_program_trains_the_same(tmp_path: Path) -> None:
     """`model.apply(init_weights)` after wrapping included: apply_full initializes the full parameters, as FSDP1's
     apply does (nn.Module.apply on the shards would start from other weights)."""

@@ -39,7 +39,7 @@ def _report(capsys, *extra: str, lora: bool = False) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.heavy)], ids=["qlora", "lora"])
+@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.heavy), pytest.param(True, marks=pytest.mark.heavy)], ids=["qlora", "lora"])
 def test_prediction_matches_a_real_run(capsys, lora: bool) -> None:
     report = _report(capsys, lora=lora)
     assert (report["setup"]["lora"], report["setup"]["qlora"], report["setup"]["lora_rank"]) == (lora, not lora, 4)
@@ -55,6 +55,7 @@ def test_lora_and_qlora_together_are_refused(capsys) -> None:
     assert "--lora and --qlora: choose one" in capsys.readouterr().err
 
 
+@pytest.mark.heavy  # a 70B trace, about 10 s: CI runs it after the README's tests (pytest -m heavy)
 def test_offload_moves_the_shards_gradients_and_optimizer_state_to_the_host(capsys) -> None:
     reported = _report(capsys, "--offload")["estimates"][0]
     args = _args("--offload")

@@ -86,7 +86,7 @@ def _assert_equal(fast, full) -> None:
         assert fast.peaks.get(phase) == _grouped(full.peaks.get(phase, {}), "layers."), phase
 
 
-HEAVY_CASES = {"qlora_checkpointing_bf16_offload_ws2", "prefetch_post_orig_params_ws64", "fp32_forward_prefetch_ws4"}
+HEAVY_CASES = {"qlora_checkpointing_bf16_offload_ws2", "prefetch_post_orig_params_ws64", "fp32_forward_prefetch_ws4", "checkpointing_bf16_ws8"}
 
 
 @pytest.mark.parametrize(
@@ -99,6 +99,7 @@ def test_extrapolated_equals_the_full_trace(case: str) -> None:
     _assert_equal(fast, full)
 
 
+@pytest.mark.heavy  # traced whole and in samples, about 11 s: CI runs it after the README's tests (pytest -m heavy)
 def test_hybrid_sharding() -> None:
     kwargs = dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD, mixed_precision=BF16)
     fast, full = _both(builder(checkpointing=True), 9, kwargs, 4, hybrid_shape=(2, 2))
@@ -113,6 +114,7 @@ def test_layers_not_identical_are_traced_whole() -> None:
     assert fast.peaks == full.peaks
 
 
+@pytest.mark.heavy  # traced whole and in samples, about 10 s: CI runs it after the README's tests (pytest -m heavy)
 def test_layers_in_shared_buckets_are_traced_whole() -> None:
     """Layers under the bucket's budget share all-gathers and reductions, several at a time: memory is not the same
     from one layer to the next, the checks say so and the model is traced whole."""

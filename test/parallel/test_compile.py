@@ -299,6 +299,7 @@ def _graphs_cover_blocks_only() -> None:
         assert any(code in line or code in trace for trace in traces for line in covered), f"no graph holds {code}"
 
 
+@pytest.mark.heavy  # inductor builds, about 35 s: CI runs it after the README's tests (pytest -m heavy)
 def test_graphs_hold_the_blocks_code_and_nothing_of_the_runtime() -> None:
     run_on_ranks(_graphs_cover_blocks_only, 2, timeout=600)
 
@@ -351,7 +352,10 @@ def _feature_like_torch(feature: str, case: Case) -> None:
     assert ours.graph_breaks <= theirs.graph_breaks
 
 
-@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize(  # activation checkpointing recompiles every block: about 12 s, heavy
+    "feature",
+    [pytest.param(f, marks=pytest.mark.heavy) if f == "activation_checkpointing_then_compile" else f for f in sorted(FEATURES)],
+)
 def test_feature_on_compiled_model_matches_torch_fsdp1(feature: str) -> None:
     run_on_ranks(_feature_like_torch, 2, feature, Case(), timeout=600)
 
@@ -451,6 +455,7 @@ def _mixed_dtype_units_compiled(use_orig_params: bool) -> None:
             assert_close(compiled_params[name], param, name, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.heavy  # inductor builds, about 15 s: CI runs it after the README's tests (pytest -m heavy)
 @pytest.mark.parametrize("use_orig_params", [True, False], ids=["uop", "flat"])
 def test_units_that_mix_dtypes_compile(use_orig_params: bool) -> None:
     run_on_ranks(_mixed_dtype_units_compiled, 2, use_orig_params, timeout=600)

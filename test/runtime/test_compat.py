@@ -162,6 +162,7 @@ def _run(code: str, **env: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.heavy  # fresh interpreters, about 12 s: CI runs it after the README's tests (pytest -m heavy)
 def test_environment_variable_switches_at_interpreter_start_without_code_change() -> None:
     probe = (
         "import sys; early = 'torch' in sys.modules; "
