@@ -6,7 +6,9 @@ calling file at a parameter's place, by position or keyword, that parameter is t
 where it does not rebind it (methods.py: `model.clip_grad_norm_(...)`, `model.state_dict()`, `model.no_sync()`).
 Followed only where the function is imported by name (`from utils import train`), not listed in `__all__`, read as
 `utils.train` or star-imported, and every mention of it is a call without `*args` or `**kwargs`. A calling file that
-stays FSDP1 keeps the function's file FSDP1 too (program.py): FSDP2's calls there would meet an FSDP1 model."""
+stays FSDP1 keeps the function's file FSDP1 too (program.py): FSDP2's calls there would meet an FSDP1 model. And the
+other way: a file that hands its wrapped model to a function of a file that stays FSDP1, in any form (`utils.save(model
+=model)` included), stays FSDP1 with it (`Handover`): FSDP1's calls there would meet an FSDP2 model."""
 
 from __future__ import annotations
 
@@ -23,6 +25,15 @@ from .survey import Survey
 
 
 @dataclass(frozen=True)
+class Handover:
+    """`caller` hands one of its wrapped models to `function` of the program's file `callee`."""
+
+    caller: str
+    callee: str
+    function: str
+
+
+@dataclass(frozen=True)
 class Handed:
     # path -> function -> its parameters every call hands a wrapped model
     params: Mapping[str, Mapping[str, frozenset[str]]] = field(default_factory=dict)
@@ -30,6 +41,7 @@ class Handed:
     # the files some of whose functions are handed a wrapped model by some call but not followed: their FSDP1 calls
     # are looked at (and reported) even where the file names no FSDP
     receiving: frozenset[str] = frozenset()
+    handovers: frozenset[Handover] = frozenset()
 
 
 def _known(wrapper: MetadataWrapper, exported: Mapping[str, str], imported: frozenset[str]) -> frozenset[str]:
@@ -90,6 +102,29 @@ def _handed(call: cst.Call, function: cst.FunctionDef, models: frozenset[str]) -
     return given
 
 
+def _handovers(path: str, wrapper: MetadataWrapper, shared: Shared, models: frozenset[str]) -> set[Handover]:
+    """The calls of `path` that hand one of its wrapped models to a function of another program file, by the name it
+    imports (`save(model)`) or through its module (`utils.save(model=model)`)."""
+    functions = {local: (source, name) for source, name, local in shared.named_imports(path)}
+    modules = shared.imported_modules(path)
+    found: set[Handover] = set()
+
+    class _Calls(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            func, target = node.func, None
+            if isinstance(func, cst.Name) and func.value in functions:
+                target = functions[func.value]
+            elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value in modules:
+                target = (modules[func.value.value], func.attr.value)
+            if target is None or target[0] == path:
+                return
+            if any(cst.Module([]).code_for_node(a.value) in models for a in node.args):
+                found.add(Handover(path, *target))
+
+    wrapper.module.visit(_Calls())
+    return found
+
+
 def _importing(path: str, imports: Mapping[str, list[tuple[str, str, str]]]) -> list[tuple[str, str, str]]:
     """The files importing names from `path`: (file, name, local)."""
     return [(p, n, local) for p, found in imports.items() for s, n, local in found if s == path]
@@ -113,6 +148,9 @@ def follow_handed(
     callers: set[Caller] = set()
     receiving: set[str] = set()
     mention = {path for path, source in sources.items() if "fsdp" in source.lower()}  # (only these wrap models)
+    handovers = {
+        h for path in mention if path in wrappers for h in _handovers(path, wrappers[path], shared, models(path))
+    }
     for path, wrapper in wrappers.items():
         if not any(p in mention for p, _, _ in _importing(path, imports)):
             continue
@@ -137,4 +175,4 @@ def follow_handed(
             if handed:
                 params.setdefault(path, {})[name] = frozenset(handed)
                 callers |= {Caller(path, name, p, handed=True) for p, _ in importers}
-    return Handed(params, frozenset(callers), frozenset(receiving))
+    return Handed(params, frozenset(callers), frozenset(receiving), frozenset(handovers))

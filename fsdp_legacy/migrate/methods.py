@@ -10,9 +10,11 @@ FSDP1 gives its current state-dict type: its default, FULL on every rank, unless
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
 
 import libcst as cst
+from libcst.metadata import Assignment, CodePosition, PositionProvider
 
 from . import apply_call
 from .construction import RUNTIME
@@ -96,9 +98,58 @@ def _setters(t: Fsdp1ToFsdp2) -> bool:
     return t.facts.state_dict_setters or bool(t.set_types.setters)
 
 
+def _start(t: Fsdp1ToFsdp2, node: cst.CSTNode) -> tuple[int, int]:
+    start: CodePosition = t.get_metadata(PositionProvider, node).start
+    return start.line, start.column
+
+
+def _statement(node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> cst.CSTNode | None:
+    while node in parents and not isinstance(node, cst.SimpleStatementLine):
+        node = parents[node]
+    return node if isinstance(node, cst.SimpleStatementLine) else None
+
+
+def before_its_wrapping(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression) -> bool:
+    """Whether `receiver`, a name, is read before the statement of its scope that binds it to the wrapped model
+    (`model.load_state_dict(sd)` ahead of `model = FSDP(model)` or `model = build(model)`), where no earlier binding
+    of the scope wrapped it: the module the program is about to wrap, whose calls stay as written. A loop around
+    both reads it again after the wrapping: not before it."""
+    scopes, parents = t.resume.bindings.scopes, t.resume.bindings.parents
+    scope = scopes.get(receiver) if isinstance(receiver, cst.Name) else None
+    if scope is None or not isinstance(receiver, cst.Name):
+        return False
+    at = _start(t, receiver)
+    bindings = sorted(
+        ((_start(t, a.node), statement)
+         for a in scope[receiver.value]
+         if isinstance(a, Assignment) and (statement := _statement(a.node, parents)) is not None),
+        key=lambda pair: pair[0],
+    )  # fmt: skip
+    before = [statement for start, statement in bindings if start < at]
+    after = [statement for start, statement in bindings if start > at]
+    if not after or after[0] not in t.survey.wrapping or (before and before[-1] in t.survey.wrapping):
+        return False
+    node: cst.CSTNode | None = parents.get(receiver)
+    while node is not None and not isinstance(node, (cst.FunctionDef, cst.Module)):
+        if isinstance(node, (cst.For, cst.While)) and _inside(after[0], node, parents):
+            return False
+        node = parents.get(node)
+    return True
+
+
+def _inside(node: cst.CSTNode, outer: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> bool:
+    current: cst.CSTNode | None = node
+    while current is not None and current is not outer:
+        current = parents.get(current)
+    return current is outer
+
+
 def known(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> str | None:
     """The model `receiver` is (itself, or what `receiver._orig_mod` compiled) when the file knows it wrapped."""
     model = receiver[: -len(_COMPILED)] if receiver.endswith(_COMPILED) else receiver
+    read = node.func if isinstance(node, cst.Call) else node  # `model.method` / `model.attribute`
+    if isinstance(read, cst.Attribute) and before_its_wrapping(t, read.value):
+        return None
     if model in t.survey.models or any(m == model for m, _ in t.blocks) or model in function_models(t, node):
         return model
     return None

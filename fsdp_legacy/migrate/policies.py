@@ -194,6 +194,10 @@ class Shared:
                 found[imp.local] = source
         return found
 
+    def imported_modules(self, path: str) -> dict[str, str]:
+        """`import m as local` of the program's files in `path`: local -> that file."""
+        return self._modules(path)
+
     def imports_from(self, path: str) -> set[str]:
         """The program's files that `path` imports anything from (names, modules, submodules)."""
         found = set(self._modules(path).values())

@@ -21,7 +21,7 @@ from libcst.metadata import MetadataWrapper
 from . import policies
 from .cross_file import Caller, follow_across
 from .facts import FileFacts
-from .handed_models import follow_handed
+from .handed_models import Handover, follow_handed
 from .report import Finding, MigrationResult
 from .rewriter import migrate_source
 from .subclasses import REFUSED, Subclasses, program_refusal
@@ -70,7 +70,7 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
     callers = cross.callers | handed.callers
     results: dict[str, MigrationResult] = {}
     forced: dict[str, str] = {}  # files left FSDP1 because they import from one that stays FSDP1 -> that file
-    held: dict[str, Caller] = {}  # files left FSDP1 because a caller of their model stays FSDP1
+    held: dict[str, Caller | Handover] = {}  # files left FSDP1 because a file their model goes to stays FSDP1
     last: dict[str, tuple[FileFacts, MigrationResult]] = {}  # each file's facts and rewrite in the round before
     setters = any("set_state_dict_type" in source for source in sources.values())  # (methods.py; any mention)
     reads: frozenset[str] = frozenset()  # what the program's migrated constructions read at run time
@@ -99,7 +99,7 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
             results[path] = result if path not in forced else _importing(result, forced[path])
             if path in held:
                 results[path] = _held(results[path], held[path])
-        grew = _propagate(results, shared, forced, callers, held)
+        grew = _propagate(results, shared, forced, callers, held, handed.handovers)
         before, reads = reads, frozenset().union(*(r.run_time_reads for r in results.values()))
         if not shared.update(results) and not grew and reads == before:  # every file decided as the last round
             break
@@ -124,8 +124,16 @@ def _importing(result: MigrationResult, source: str) -> MigrationResult:
     return MigrationResult(result.source, result.source, [finding, *result.findings])
 
 
-def _held(result: MigrationResult, caller: Caller) -> MigrationResult:
-    """A file left as it is because the model its function returns goes to a file that stays FSDP1."""
+def _held(result: MigrationResult, caller: Caller | Handover) -> MigrationResult:
+    """A file left as it is because its model goes to (or comes from) a file that stays FSDP1."""
+    if isinstance(caller, Handover):
+        what = f"its wrapped model is handed to `{caller.function}` of {caller.callee}, which stays FSDP1"
+        why = f"{what} (reported there): FSDP1's calls there would meet an FSDP2 model"
+        why += "; the file is left as it is, as a whole"
+        return MigrationResult(
+            result.source, result.source, [Finding(1, what, why, f"migrate {caller.callee} first", REFUSED),
+                                           *result.findings], result.fsdp1_constructions,
+        )  # fmt: skip
     if caller.handed:
         what = f"`{caller.function}` is handed its model by {caller.caller}, which stays FSDP1"
         why = f"{what} (reported there): FSDP2's calls here would meet an FSDP1 model"
@@ -150,7 +158,8 @@ def _propagate(
     shared: policies.Shared,
     forced: dict[str, str],
     callers: frozenset[Caller],
-    held: dict[str, Caller],
+    held: dict[str, Caller | Handover],
+    handovers: frozenset[Handover] = frozenset(),
 ) -> bool:
     """Files that would change while importing from a file that stays FSDP1 are left as they are too, and so are
     files whose returned model a file left FSDP1 binds, following both until nothing new stays; True when a file
@@ -164,11 +173,17 @@ def _propagate(
             for source in sorted(shared.imports_from(path))
             if _stays_fsdp1(results[source])
         }
-        holding = {  # (a builder's file that stays FSDP1 already holds its model FSDP1's)
+        holding: dict[str, Caller | Handover] = {  # (a builder's file that stays FSDP1 already holds its model)
             c.builder: c
             for c in sorted(callers, key=str)
             if c.builder not in held and not _stays_fsdp1(results[c.builder]) and _left_fsdp1(results[c.caller])
         }
+        holding.update({  # a file handing its model to one that stays FSDP1
+            h.caller: h
+            for h in sorted(handovers, key=str)
+            if h.caller not in held and h.caller not in holding and results[h.caller].changed
+            and _left_fsdp1(results[h.callee])
+        })  # fmt: skip
         if not added and not holding:
             return grew
         for path, source in added.items():

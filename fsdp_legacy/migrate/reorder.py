@@ -2,7 +2,9 @@
 `fully_shard` and some after, where FSDP1 took them in either order.
 
 - An optimizer over `model.parameters()` built before the construction goes after it: fully_shard replaces the
-  parameters with DTensors (FSDP1 with use_orig_params kept the same objects).
+  parameters with DTensors (FSDP1 with use_orig_params kept the same objects). Only a statement after the model's
+  last binding that nothing in between depends on (or changes the inputs of) moves; a count (`sum(...)`, `len(...)`,
+  `print(...)`) stays where it is, FSDP2's DTensors counting as many elements; any other is reported.
 - Activation checkpointing applied to the wrapped model after the construction (`apply_activation_checkpointing`, or
   a function of the file that calls it) goes before it: FSDP2 composes with checkpoint wrappers put in first, and
   the units are then sharded inside their wrappers. It stays where it is when it uses a name bound in between, or when
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import libcst as cst
 
@@ -26,6 +29,7 @@ class Placed:
     target: str  # the name FSDP(...) was assigned to
     count: int  # how many statements, from the first
     materializes: bool  # apply_fully_shard may initialize meta modules
+    line: int = 0  # the construction's, in the file as it was read (for a finding)
 
 
 def reorder(
@@ -33,14 +37,16 @@ def reorder(
     placed: dict[int, Placed],
     checkpointing: dict[int, str],
     code: Callable[[cst.CSTNode], str],
+    stays: Callable[[Placed, str], None] = lambda info, statement: None,
 ) -> list[cst.BaseStatement]:
     """`body` with the moves above made; `placed` and `checkpointing` (the model each activation-checkpointing
-    statement wraps) are keyed by id() of the statements in `body`."""
+    statement wraps) are keyed by id() of the statements in `body`; `stays` hears of each statement that reads the
+    parameters before the construction and cannot move."""
     for statement in list(body):
         info = placed.get(id(statement))
         if info is None:
             continue
-        _optimizer_after(body, statement, info, code)
+        _optimizer_after(body, statement, info, code, stays)
         _checkpointing_before(body, statement, info, checkpointing, code)
     return body
 
@@ -51,20 +57,48 @@ def _note(statement: cst.BaseStatement, text: str) -> cst.BaseStatement:
 
 
 def _optimizer_after(
-    body: list[cst.BaseStatement], first: cst.BaseStatement, info: Placed, code: Callable[[cst.CSTNode], str]
+    body: list[cst.BaseStatement],
+    first: cst.BaseStatement,
+    info: Placed,
+    code: Callable[[cst.CSTNode], str],
+    stays: Callable[[Placed, str], None],
 ) -> None:
     start = body.index(first)
+    since = next((i + 1 for i in range(start - 1, -1, -1) if info.model.split(".")[0] in bound_names(body[i])), 0)
     early = [
-        s
-        for s in body[:start]
-        if isinstance(s, cst.SimpleStatementLine)
-        and any(f"{info.model}.{m}()" in code(s) for m in ("parameters", "named_parameters"))
+        i
+        for i in range(since, start)
+        if isinstance(body[i], cst.SimpleStatementLine)
+        and any(f"{info.model}.{m}()" in code(body[i]) for m in ("parameters", "named_parameters"))
+        and not _counts(cast(cst.SimpleStatementLine, body[i]))
     ]
-    for s in early:
+    moving = []
+    for i in early:
+        between = body[i + 1 : start]
+        reads = set().union(*(names_in(s) for s in between)) if between else set()
+        binds = set().union(*(bound_names(s) for s in between)) if between else set()
+        if bound_names(body[i]) & reads or names_in(body[i]) & binds:
+            stays(info, code(body[i]).strip())
+        else:
+            moving.append(body[i])
+    for s in moving:
         body.remove(s)
     end = body.index(first) + info.count
     note = f"{NOTE} moved after fully_shard, which replaces the parameters"
-    body[end:end] = [_note(s, note) for s in early]
+    body[end:end] = [_note(s, note) for s in moving]
+
+
+_COUNTS = frozenset({"sum", "len", "print"})
+
+
+def _counts(statement: cst.SimpleStatementLine) -> bool:
+    """`n = sum(p.numel() for p in model.parameters())`, `print(...)`: a value read from the parameters, which holds
+    none of them (FSDP2's DTensors give the same counts)."""
+    for small in statement.body:
+        value = small.value if isinstance(small, (cst.Assign, cst.AugAssign, cst.AnnAssign, cst.Expr)) else None
+        if not (isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value in _COUNTS):
+            return False
+    return True
 
 
 def _checkpointing_before(

@@ -300,6 +300,7 @@ class Builders:
 
     returned: dict[cst.Call, str] = field(default_factory=dict)  # `return FSDP(...)` mapped -> the module's name
     models: set[str] = field(default_factory=set)  # the callers' names (code) the wrapped model is bound to
+    sites: set[cst.SimpleStatementLine] = field(default_factory=set)  # the callers' statements that bind them
     # the FSDP(...) calls in an expression, which stay FSDP1's -> the finding's (what, why)
     refused: dict[cst.Call, tuple[str, str]] = field(default_factory=dict)
     escapes: Escapes = field(default_factory=dict)  # module-level functions returning the model to other files
@@ -344,7 +345,9 @@ def builders(
             statement = parents.get(parents.get(call) or call)
             found: set[str] = set()
             if isinstance(statement, cst.SimpleStatementLine):
-                why = _follow(statement, constructions[call], parents, module, exported, found, True, out.escapes)
+                why = _follow(
+                    statement, constructions[call], parents, module, exported, found, True, out.escapes, out.sites
+                )
                 if why is not None:
                     out.refused[call] = (f"`{constructions[call]} = FSDP(...)`", f"{why}; {_UNFOLLOWED}")
                     continue
@@ -367,7 +370,8 @@ def builders(
         reason = sites if isinstance(sites, str) else None
         for site, target in sites.targets() if isinstance(sites, Sites) else ():
             models.add(target)
-            reason = reason or _follow(site, target, parents, module, exported, models, True, out.escapes)
+            out.sites.add(site)
+            reason = reason or _follow(site, target, parents, module, exported, models, True, out.escapes, out.sites)
         if reason is not None:
             out.refused[call] = (f"`return FSDP(...)` in `{function.name.value}`", f"{reason}; {_UNFOLLOWED}")
             continue
@@ -391,11 +395,13 @@ def _follow(
     models: set[str],
     uncalled: bool = False,
     escapes: Escapes | None = None,
+    bound_by: set[cst.SimpleStatementLine] | None = None,
 ) -> str | None:
     """The names the model bound to `name` by `statement` reaches through `name = function(...)` returns, added to
-    `models`; why it also reaches places the text does not show (None: it does not). `uncalled`: a function called
-    nowhere, exported nowhere and imported by no file of the program is no such place (sharded as before, its
-    callers outside what the tool is given, as for any name a file migrated alone defines)."""
+    `models` (and the statements that bind them to `bound_by`); why it also reaches places the text does not show
+    (None: it does not). `uncalled`: a function called nowhere, exported nowhere and imported by no file of the
+    program is no such place (sharded as before, its callers outside what the tool is given, as for any name a file
+    migrated alone defines)."""
     pending, seen = [(statement, name)], set()
     while pending:
         statement, name = pending.pop()
@@ -409,6 +415,8 @@ def _follow(
             continue
         for site, target in sites.targets():
             models.add(target)
+            if bound_by is not None:
+                bound_by.add(site)
             pending.append((site, target))
     return None
 

@@ -41,6 +41,8 @@ class Survey(cst.CSTVisitor):
         self.fsdp_calls: list[cst.Call] = []  # every FSDP(...) call
         # those the rewriter maps: `target = FSDP(...)` -> target, `return FSDP(...)` -> the module's name (builders)
         self.constructions: dict[cst.Call, str] = {}
+        # the statements that bind a name to the wrapped model: `model = FSDP(...)`, `model = build(...)` (builders)
+        self.wrapping: set[cst.SimpleStatementLine] = set()
         self.fsdp_partials: list[cst.Call] = []  # every `partial(FSDP, ...)` (partials.py)
         self.builders = Builders()  # functions returning the wrapped model to their callers (follow_builders)
 
@@ -81,6 +83,7 @@ class Survey(cst.CSTVisitor):
                     self.assigned.setdefault(target.value, []).append((node, small.value))
                 if isinstance(small.value, cst.Call) and self._is_fsdp(small.value.func):
                     self.models.add(cst.Module([]).code_for_node(target))
+                    self.wrapping.add(node)
                     if len(node.body) == 1:
                         self.constructions[small.value] = cst.Module([]).code_for_node(target)
 
@@ -108,6 +111,7 @@ class Survey(cst.CSTVisitor):
         `return FSDP(...)` a construction (returned_model.py)."""
         self.builders = builders(self.fsdp_calls, self.constructions, parents, module, exported)
         self.models |= self.builders.models
+        self.wrapping |= self.builders.sites
         self.constructions.update(self.builders.returned)
         for call in self.builders.refused:  # a model escaping where the text does not follow: it stays FSDP1's
             self.constructions.pop(call, None)

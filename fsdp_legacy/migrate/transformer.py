@@ -256,7 +256,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         built.statements[0] = _with_leading(built.statements[0], construction.leading(built, original))
         wrapped = construction.module_first(call).args[0].value
         model = self.code(wrapped) if isinstance(wrapped, (cst.Name, cst.Attribute)) else target
-        placed = Placed(model, target, len(built.statements), built.materializes)
+        placed = Placed(model, target, len(built.statements), built.materializes, self.line(original))
         self.constructions[self._key(built.statements[0])] = placed
         if isinstance(original.body[0], cst.Return):  # `return FSDP(...)`: the sharded module, after (not moved)
             built.statements.append(cst.parse_statement(f"return {target}\n"))
@@ -303,7 +303,33 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             carried = []
         if carried or (body and not kept):  # (a block emptied by the rewrite; an empty file stays empty)
             kept.append(cst.SimpleStatementLine([cst.Pass()], leading_lines=carried))
-        return reorder(kept, self.constructions, self.checkpointing, self.code)
+        return reorder(kept, self.constructions, self.checkpointing, self.code, self._stays_before)
+
+    def _offload_for_constructions(self, call: cst.Call) -> bool:
+        """Whether only this file's FSDP(...) calls take a CPUOffload(...): as their `cpu_offload=`, or through a name
+        bound to it once and read only there. Elsewhere (a dict handed on, a conditional, returned) it may reach an
+        FSDP(...) that stays FSDP1, in this program or out of it."""
+        parent = self.get_metadata(ParentNodeProvider, call, None)
+        if isinstance(parent, cst.Arg):
+            return _is_offload_keyword(self, parent)
+        if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
+            return False
+        target = parent.targets[0].target
+        binding = self.resume.bindings.single(target) if isinstance(target, cst.Name) else None
+        if binding is None or cast(cst.Name, target).value in self.facts.read_elsewhere:
+            return False
+        uses = [self.get_metadata(ParentNodeProvider, use, None) for use in binding.uses]
+        return bool(uses) and all(isinstance(arg, cst.Arg) and _is_offload_keyword(self, arg) for arg in uses)
+
+    def _stays_before(self, info: Placed, statement: str) -> None:
+        """A statement reading the parameters before a construction that cannot move after it (reorder.py)."""
+        why = (
+            f"`{statement}` reads `{info.model}`'s parameters before fully_shard replaces them with DTensors, and the "
+            "statements between use what it binds (or change what it reads), so it cannot move after it: an "
+            "optimizer built there would hold the replaced parameters"
+        )
+        fix = "build what holds the parameters (the optimizer) after the fully_shard calls"
+        self.findings.append(Finding(info.line, "a statement before the construction", why, fix))
 
     def _resumed(self, statement: cst.BaseStatement) -> list[cst.BaseStatement]:
         """A mapped load_sharded_optimizer_state_dict(...) as FSDP2's load (sharded_resume.py)."""
@@ -469,6 +495,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 return updated
             self.need(FSDP2, "MixedPrecisionPolicy")
             rewritten = precision.policy_call(updated)
+        elif name == "CPUOffload" and not self._offload_for_constructions(original):
+            self.consumed.add(original)  # what takes it the text does not show: FSDP1's, which fsdp1_options reads too
         elif name == "CPUOffload" and construction.offload_policy(original, self.code):
             policy = cast(str, construction.offload_policy(original, self.code))
             self.need(FSDP2, policy)
@@ -598,3 +626,14 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def _need_helpers(self, *names: str) -> None:
         for name in (*names, "StateDictOptions"):
             self.need(STATE_DICT_HELPERS, name)
+
+
+def _is_offload_keyword(t: Fsdp1ToFsdp2, arg: cst.Arg) -> bool:
+    """`cpu_offload=...` of an FSDP(...) call."""
+    call = t.get_metadata(ParentNodeProvider, arg, None)
+    return (
+        arg.keyword is not None
+        and arg.keyword.value == "cpu_offload"
+        and isinstance(call, cst.Call)
+        and t.fsdp1(call.func) == _FSDP
+    )

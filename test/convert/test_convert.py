@@ -172,7 +172,7 @@ IDS = ["flat", "uop"]
 # Round trips
 
 
-@pytest.mark.heavy  # four conversions of a checkpoint, about 25 s: CI runs it after the README's tests (pytest -m heavy)
+@pytest.mark.heavy  # four conversions of a checkpoint, about 25 s: CI runs it after the README's tests
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_round_trip_local_dcp_full_local(tmp_path, config: Config) -> None:
     """flat (W=2) -> DCP -> full -> flat (W=2) reproduces every tensor of the original checkpoint, flat parameters

@@ -286,3 +286,142 @@ def test_a_builder_read_as_an_attribute_by_another_file_of_the_program_stays(tmp
     assert program.results[train].migrated == caller
     # alone, nothing shows the other file: the builder is followed to its callers here
     assert migrate_source(source).changed
+
+
+# -- a call before the wrapping: the module the program is about to wrap --------------------------------------------
+
+_LOADED_BEFORE_WRAPPING = """
+import functools
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType, FullStateDictConfig
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+
+    def forward(self, x):
+        return x + self.inner(x)
+
+
+def setup_fsdp_sync(model):
+    model = FSDP(
+        model,
+        auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, Block)),
+        device_id=torch.device("cpu"),
+        sync_module_states=True,
+        use_orig_params=True,
+    )
+    return model
+
+
+def main(resume):
+    torch.manual_seed(dist.get_rank())  # each rank its own weights: rank 0's reach the others through the wrapping
+    model = nn.Sequential(Block(8), Block(8), nn.Linear(8, 1))
+    if dist.get_rank() == 0:  # the other ranks receive the weights in setup_fsdp_sync
+        model.load_state_dict(torch.load(resume, weights_only=True), strict=True)
+    model = setup_fsdp_sync(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(3):
+        data = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        x, y = torch.randn(4, 8, generator=data), torch.randn(4, 1, generator=data)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        model.clip_grad_norm_(0.5)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        consolidated = model.state_dict()
+    return losses, consolidated
+"""
+
+
+def _resumed_side_by_side(original: str, migrated: str, path: str) -> list[Any]:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        torch.manual_seed(123)
+        torch.save(nn_state(), path)
+    dist.barrier()
+    # torch's FSDP1 refuses sync_module_states on the CPU: fsdp_legacy's FSDP1 (equal to it in the parity tests) runs
+    # the original program
+    original = original.replace("torch.distributed.fsdp", "fsdp_legacy")
+    out = []
+    for name, source in (("fsdp1.py", original), ("fsdp2.py", migrated)):
+        namespace: dict[str, Any] = {}
+        exec(compile(source, name, "exec"), namespace)
+        out.append(namespace["main"](path))
+    return out
+
+
+def nn_state() -> dict[str, torch.Tensor]:
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+
+    return nn.Sequential(Block(8), Block(8), nn.Linear(8, 1)).state_dict()
+
+
+def test_a_load_before_the_wrapping_stays_the_plain_modules(ranks: Any, tmp_path: Path) -> None:
+    """LlamaGen's FSDP trainer: rank 0 loads the consolidated checkpoint into the model before handing it to the
+    function that wraps it (`model = setup_fsdp_sync(model, ...)`, sync_module_states=True). That call is on the plain
+    module: it stays `model.load_state_dict(...)` (it became `set_model_state_dict(model, ...)` on one rank), while
+    the calls after the wrapping become FSDP2's; the program trains as FSDP1's from the same weights."""
+    result = migrate_source(_LOADED_BEFORE_WRAPPING)
+    assert result.findings == [], [f.format("x.py") for f in result.findings]
+    out = result.migrated
+    assert "        model.load_state_dict(torch.load(resume, weights_only=True), strict=True)\n" in out
+    assert "torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)" in out
+    assert "consolidated = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True" in out
+    for rank, ((losses1, full1), (losses2, full2)) in enumerate(
+        ranks(_resumed_side_by_side, 2, _LOADED_BEFORE_WRAPPING, out, str(tmp_path / "consolidated.pt"))
+    ):
+        assert losses2 == pytest.approx(losses1, rel=1e-5)
+        assert full1.keys() == full2.keys() and (rank == 0) == bool(full1)
+        assert all(torch.allclose(full1[k], full2[k], rtol=1e-5, atol=1e-7) for k in full1)
+
+
+_COUNTED_BEFORE = """
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+def main():
+    model = nn.Linear(4, 4)
+    n_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"Number of params: {n_parameters}")
+    OPTIMIZER
+    model = FSDP(model, device_id=torch.device("cpu"))
+    return n_parameters
+"""
+
+
+def test_statements_before_the_construction_move_only_where_nothing_between_needs_them() -> None:
+    """ml-4m counts the parameters before wrapping and prints the count: the count used to move after fully_shard,
+    past the print that reads it (a NameError). A count stays (FSDP2's DTensors count as many elements); an
+    optimizer moves after fully_shard where nothing between uses it, and is reported where something does."""
+    plain = migrate_source(_COUNTED_BEFORE.replace("OPTIMIZER", "pass"))
+    assert plain.findings == []
+    assert (
+        "    n_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)\n    print(" in plain.migrated
+    )
+    alone = migrate_source(_COUNTED_BEFORE.replace("OPTIMIZER", "optim = torch.optim.SGD(model.parameters(), lr=0.1)"))
+    assert alone.findings == [] and alone.migrated.index("fully_shard(model)") < alone.migrated.index("optim = ")
+    used = _COUNTED_BEFORE.replace(
+        "OPTIMIZER",
+        "optim = torch.optim.SGD(model.parameters(), lr=0.1)\n    sched = torch.optim.lr_scheduler.StepLR(optim, 1)",
+    )
+    result = migrate_source(used)
+    (finding,) = result.findings
+    assert "optim = torch.optim.SGD(model.parameters(), lr=0.1)" in finding.why and "cannot move" in finding.why

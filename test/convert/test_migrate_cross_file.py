@@ -349,3 +349,60 @@ def test_a_caller_that_stays_fsdp1_keeps_the_function_fsdp1(tmp_path: Path) -> N
     assert any(f"is handed its model by {main}, which stays FSDP1" in f.what for f in result.findings), [
         f.format(utils) for f in result.findings
     ]
+
+
+# -- a model handed to a file that stays FSDP1 (apple/ml-4m, wenet): the caller stays with it -----------------------
+
+_KEPT_SAVER = """
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType, FullStateDictConfig
+
+from .dist import save_on_main
+
+
+def save_model_fsdp(args, model, optimizer):
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        save_on_main({"model": model.state_dict()}, args.path)  # (a save the tool cannot see into: the block stays)
+"""
+
+_HANDING_TRAINER = """
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+import pkg.fsdp_utils as fsdp_utils
+from pkg.dist import save_on_main
+
+
+def main(args):
+    model = FSDP(nn.Linear(4, 4), device_id=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    model.clip_grad_norm_(1.0)
+    optimizer.step()
+    fsdp_utils.save_model_fsdp(args=args, model=model, optimizer=optimizer)
+"""
+
+
+def test_a_model_handed_to_a_file_that_stays_fsdp1_keeps_the_caller_fsdp1(tmp_path: Path) -> None:
+    """ml-4m's run_training_4m_fsdp.py hands its wrapped model to `fsdp_utils.save_model_fsdp(model=model, ...)`,
+    whose state_dict_type block stays FSDP1 (a save the tool cannot see into). Before, the trainer became fully_shard
+    code while the saver stayed FSDP1: FSDP1's block on an FSDP2 model, failing at the first save, hours in. Now the
+    trainer stays FSDP1 with the saver, refused as a whole, and says why."""
+    sources = {
+        "pkg/__init__.py": "",
+        "pkg/dist.py": "def save_on_main(obj, path):\n    pass\n",
+        "pkg/fsdp_utils.py": _KEPT_SAVER,
+        "train.py": _HANDING_TRAINER,
+    }
+    program = migrate_program(sources)
+    saver, trainer = program.results["pkg/fsdp_utils.py"], program.results["train.py"]
+    assert not saver.changed and any("stays" in f.why for f in saver.findings)
+    assert trainer.migrated == _HANDING_TRAINER
+    (refusal,) = [f for f in trainer.findings if f.kind == "refused"]
+    assert "`save_model_fsdp` of pkg/fsdp_utils.py, which stays FSDP1" in refusal.what
+    # once the saver can be migrated (its save written out), both files migrate together
+    mapped = _KEPT_SAVER.replace("save_on_main({", "torch.save({")
+    again = migrate_program({**sources, "pkg/fsdp_utils.py": mapped})
+    assert again.results["pkg/fsdp_utils.py"].changed and again.results["train.py"].changed
+    assert _fsdp1_names(ast.parse(again.results["train.py"].migrated)) == set()

@@ -333,3 +333,53 @@ def test_a_state_dict_type_block_that_stays_keeps_its_file(ranks: Any) -> None:
     head, build = _SAVE_MODEL_SAFE.split("\n\ndef trainer_save_model_safe")[0], _SAVE_MODEL_SAFE.split("\n\n\n")[-1]
     alone = migrate_source(head + "\n\n\n" + build)
     assert alone.findings == [] and "fully_shard(model)" in alone.migrated
+
+
+# -- FSDP1's CPUOffload where what takes it is not shown (FastVideo's get_dit_fsdp_kwargs) -------------------------
+
+_KWARGS_FACTORY = textwrap.dedent(
+    """
+    import torch
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+
+
+    def get_fsdp_kwargs(cpu_offload=False):
+        cpu_offload = (CPUOffload(offload_params=True) if cpu_offload else None)
+        return {"sharding_strategy": ShardingStrategy.FULL_SHARD, "cpu_offload": cpu_offload}
+    """
+)
+
+_KWARGS_USER = textwrap.dedent(
+    """
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fsdp_util import get_fsdp_kwargs
+
+
+    def build(net):
+        return FSDP(net, device_id=torch.device("cpu"), **get_fsdp_kwargs(cpu_offload=True))
+    """
+)
+
+
+def test_cpu_offload_handed_on_stays_fsdp1s(ranks: Any) -> None:
+    """A CPUOffload(...) built into a kwargs dict another file hands to `FSDP(net, **kwargs)`, which stays FSDP1: it
+    used to become FSDP2's CPUOffloadPolicy(), which FSDP1's construction then could not take. Now it stays FSDP1's,
+    and the program's FSDP1 construction builds with it, offloading as before."""
+    program = migrate_program({"fsdp_util.py": _KWARGS_FACTORY, "train.py": _KWARGS_USER})
+    factory = program.results["fsdp_util.py"].migrated
+    assert "CPUOffload(offload_params=True) if cpu_offload else None" in factory and "CPUOffloadPolicy" not in factory
+    assert program.results["train.py"].migrated == _KWARGS_USER  # (the **kwargs construction stays, reported)
+    assert ranks(_offloads_with, 2, factory) == [True, True]
+
+
+def _offloads_with(factory: str) -> bool:
+    import torch
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    namespace: dict[str, Any] = {}
+    exec(compile(factory, "fsdp_util.py", "exec"), namespace)
+    model = FSDP(nn.Linear(4, 4), device_id=torch.device("cpu"), **namespace["get_fsdp_kwargs"](cpu_offload=True))
+    return bool(model.cpu_offload.offload_params)

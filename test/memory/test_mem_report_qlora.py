@@ -39,7 +39,11 @@ def _report(capsys, *extra: str, lora: bool = False) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.heavy), pytest.param(True, marks=pytest.mark.heavy)], ids=["qlora", "lora"])
+@pytest.mark.parametrize(
+    "lora",
+    [pytest.param(False, marks=pytest.mark.heavy), pytest.param(True, marks=pytest.mark.heavy)],
+    ids=["qlora", "lora"],
+)
 def test_prediction_matches_a_real_run(capsys, lora: bool) -> None:
     report = _report(capsys, lora=lora)
     assert (report["setup"]["lora"], report["setup"]["qlora"], report["setup"]["lora_rank"]) == (lora, not lora, 4)

@@ -86,7 +86,12 @@ def _assert_equal(fast, full) -> None:
         assert fast.peaks.get(phase) == _grouped(full.peaks.get(phase, {}), "layers."), phase
 
 
-HEAVY_CASES = {"qlora_checkpointing_bf16_offload_ws2", "prefetch_post_orig_params_ws64", "fp32_forward_prefetch_ws4", "checkpointing_bf16_ws8"}
+HEAVY_CASES = {
+    "qlora_checkpointing_bf16_offload_ws2",
+    "prefetch_post_orig_params_ws64",
+    "fp32_forward_prefetch_ws4",
+    "checkpointing_bf16_ws8",
+}
 
 
 @pytest.mark.parametrize(

@@ -354,7 +354,10 @@ def _feature_like_torch(feature: str, case: Case) -> None:
 
 @pytest.mark.parametrize(  # activation checkpointing recompiles every block: about 12 s, heavy
     "feature",
-    [pytest.param(f, marks=pytest.mark.heavy) if f == "activation_checkpointing_then_compile" else f for f in sorted(FEATURES)],
+    [
+        pytest.param(f, marks=pytest.mark.heavy) if f == "activation_checkpointing_then_compile" else f
+        for f in sorted(FEATURES)
+    ],
 )
 def test_feature_on_compiled_model_matches_torch_fsdp1(feature: str) -> None:
     run_on_ranks(_feature_like_torch, 2, feature, Case(), timeout=600)
