@@ -9,7 +9,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import libcst as cst
-from libcst.metadata import Assignment, MetadataWrapper, ParentNodeProvider, Scope, ScopeProvider
+from libcst.metadata import (
+    Assignment,
+    CodeRange,
+    MetadataWrapper,
+    ParentNodeProvider,
+    PositionProvider,
+    Scope,
+    ScopeProvider,
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class Bindings:
     def __init__(self, wrapper: MetadataWrapper) -> None:
         self.scopes: Mapping[cst.CSTNode, Scope | None] = wrapper.resolve(ScopeProvider)
         self.parents: Mapping[cst.CSTNode, cst.CSTNode] = wrapper.resolve(ParentNodeProvider)
+        self.positions: Mapping[cst.CSTNode, CodeRange] = wrapper.resolve(PositionProvider)
 
     def single(self, name: cst.Name) -> Binding | None:
         scope = self.scopes.get(name)
@@ -44,6 +53,63 @@ class Bindings:
         if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
             return None
         return Binding(statement, assign.value, tuple(access.node for access in assignment.references))
+
+    def reaching(self, name: cst.Name) -> Binding | None:
+        """For a name assigned more than once in its scope (DPO's `save_policy = FullStateDictConfig(...)`, a block,
+        then `save_policy = FullOptimStateDictConfig(...)` and another): the `name = value` that the read at `name`
+        sees, where the text shows it plainly: a statement of its own earlier in the same block as the statement
+        holding the read, with no other binding of the name between them and none in a loop around the read. Its uses
+        are the reads after it, before the name's next binding."""
+        scope = self.scopes.get(name)
+        every = scope[name.value] if scope is not None else set()
+        found = [a for a in every if isinstance(a, Assignment)]
+        if len(found) < 2 or len(found) != len(every):
+            return None
+        positions = {id(a.node): self._order(a.node) for a in found}
+        at = self._order(name)
+        earlier = [a for a in found if positions[id(a.node)] < at]
+        if not earlier or any(self._in_loop_around(name, a.node) for a in found if positions[id(a.node)] > at):
+            return None
+        nearest = max(earlier, key=lambda a: positions[id(a.node)])
+        target = self.parents.get(nearest.node)
+        assign = self.parents.get(target) if isinstance(target, cst.AssignTarget) else None
+        statement = self.parents.get(assign) if isinstance(assign, cst.Assign) else None
+        if not (
+            isinstance(assign, cst.Assign)
+            and len(assign.targets) == 1
+            and assign.targets[0].target is nearest.node
+            and isinstance(statement, cst.SimpleStatementLine)
+            and len(statement.body) == 1
+        ):
+            return None
+        block = self.parents.get(statement)
+        holder: cst.CSTNode | None = name
+        while holder is not None and self.parents.get(holder) is not block:
+            holder = self.parents.get(holder)
+        if holder is None:
+            return None  # the read is not in the assignment's block (a branch, another function)
+        later = [positions[id(a.node)] for a in found if positions[id(a.node)] > positions[id(nearest.node)]]
+        end = min(later, default=(1 << 62, 0))
+        uses = tuple(
+            access.node for access in nearest.references if positions[id(nearest.node)] < self._order(access.node) < end
+        )
+        return Binding(statement, assign.value, uses)
+
+    def _order(self, node: cst.CSTNode) -> tuple[int, int]:
+        start = self.positions[node].start
+        return start.line, start.column
+
+    def _in_loop_around(self, name: cst.CSTNode, other: cst.CSTNode) -> bool:
+        node: cst.CSTNode | None = self.parents.get(name)
+        while node is not None and not isinstance(node, (cst.FunctionDef, cst.Module)):
+            if isinstance(node, (cst.For, cst.While)):
+                current: cst.CSTNode | None = other
+                while current is not None and current is not node:
+                    current = self.parents.get(current)
+                if current is node:
+                    return True
+            node = self.parents.get(node)
+        return False
 
     def count_in_scope(self, name: str, node: cst.CSTNode) -> int:
         """How often `name` occurs in the function (or module) holding `node`, functions inside it included."""

@@ -52,7 +52,9 @@ def read(
     full = cls.startswith("Full")
     if node is None or (isinstance(node, cst.Name) and node.value == "None"):
         return Config(options_code(full, False if full else offload_default))
-    binding = bindings.single(node) if bindings is not None and isinstance(node, cst.Name) else None
+    binding = None
+    if bindings is not None and isinstance(node, cst.Name):
+        binding = bindings.single(node) or bindings.reaching(node)
     value = binding.value if binding is not None else node
     if not isinstance(value, cst.Call) or fsdp1(value.func) != cls:
         return None

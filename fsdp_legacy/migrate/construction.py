@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from .facts import ImportedPolicy
-from .names import WRAP_POLICIES
+from .names import FSDP1_DROPPED_KWARGS, FSDP1_MAPPED_KWARGS, WRAP_POLICIES
 
 Code = Callable[[cst.CSTNode], str]  # a node's source text
 Fsdp1 = Callable[[cst.CSTNode], "str | None"]  # a node's FSDP1 name, if it is one
@@ -53,6 +53,7 @@ class Construction:
     problems: list[Problem] = field(default_factory=list)
     materializes: bool = False  # sharded through apply_fully_shard, which may initialize meta modules
     at_run_time: frozenset[str] = frozenset()  # FSDP1 keywords whose values fsdp1_options reads at run time
+    fsdp1_values: bool = False  # fully_shard_fsdp1(...): every value it takes stays FSDP1's (MixedPrecision, ...)
 
 
 @dataclass
@@ -121,6 +122,8 @@ def build(
         return out
     module = call.args[0].value
     model = code(module)
+    if any(arg.star == "**" for arg in call.args[1:]):
+        return _unpacked(target, call, code, out)
     parts = _Parts()
     if not isinstance(module, (cst.Name, cst.Attribute)):
         parts.pre.append(f"{target} = {model}")
@@ -153,6 +156,35 @@ def build(
     if any(re.search(r"\bfully_shard\(", line) for line in shard):
         out.imports.append((FSDP2, "fully_shard"))
     out.statements = list(cst.parse_module("\n".join(text) + "\n").body)
+    return out
+
+
+UNPACKED_HELPER = "fully_shard_fsdp1"
+
+
+def _unpacked(target: str, call: cst.Call, code: Code, out: Construction) -> Construction:
+    """`FSDP(module, ..., **kwargs)` (DPO's `FSDP(policy, **shared_fsdp_kwargs, mixed_precision=...)`, open_lm's
+    `**fsdp_kwargs` filled by flags): which keywords the dict holds only the run shows, so the call becomes
+    `fully_shard_fsdp1(module, ...)` with its arguments as written, every value mapped at run time as FSDP1 applies
+    it (runtime.py), the module sharded in place and returned; a keyword it has no mapping for raises TypeError there,
+    naming it. Written keywords without a mapping, and arguments by position, are reported here."""
+    for arg in call.args[1:]:
+        name = arg.keyword.value if arg.keyword is not None else None
+        if arg.star == "*" or (name is None and not arg.star):
+            why = "an argument by position or unpacked from a sequence: which FSDP1 keyword it gives cannot be read"
+            out.problems.append(Problem(arg, f"FSDP(..., {code(arg.value)})", why, "pass it by keyword"))
+        elif name is not None and name not in FSDP1_MAPPED_KWARGS | FSDP1_DROPPED_KWARGS:
+            out.problems.append(Problem(arg, f"FSDP(..., {name}=...)", *_UNMAPPED))
+    if out.problems:
+        return out
+    args = ", ".join(code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in call.args)
+    out.statements = list(cst.parse_module(f"{target} = {UNPACKED_HELPER}({args})\n").body)
+    out.imports.append((RUNTIME, UNPACKED_HELPER))
+    out.notes = [
+        f"{NOTE} FSDP(..., **kwargs) became fully_shard_fsdp1 (FSDP2): the keywords the dict holds are mapped at run "
+        "time as FSDP1 applies them"
+    ]
+    out.at_run_time, out.materializes, out.fsdp1_values = FSDP1_MAPPED_KWARGS, True, True
     return out
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
 
 import libcst as cst
-from libcst.metadata import Assignment, CodePosition, PositionProvider
+from libcst.metadata import Assignment, CodePosition, ParentNodeProvider, PositionProvider
 
 from . import apply_call
 from .construction import RUNTIME
@@ -144,15 +144,109 @@ def _inside(node: cst.CSTNode, outer: cst.CSTNode, parents: Mapping[cst.CSTNode,
     return current is outer
 
 
+def _enclosing_class(node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> cst.ClassDef | None:
+    current: cst.CSTNode | None = node
+    while current is not None and not isinstance(current, cst.ClassDef):
+        current = parents.get(current)
+    return current
+
+
+def _enclosing_function(node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> cst.FunctionDef | None:
+    current: cst.CSTNode | None = node
+    while current is not None and not isinstance(current, cst.FunctionDef):
+        current = parents.get(current)
+    return current
+
+
+def _classes_wrapping(t: Fsdp1ToFsdp2, model: str) -> set[str]:
+    """The classes whose methods bind `self.<attribute>` to the wrapped model (survey.py's wrapping statements)."""
+    found = set()
+    for statement in t.survey.wrapping:
+        assign = statement.body[0]
+        targets = [t.code(a.target) for a in assign.targets] if isinstance(assign, cst.Assign) else []
+        owner = _enclosing_class(statement, t.resume.bindings.parents)
+        if model in targets and owner is not None:
+            found.add(owner.name.value)
+    return found
+
+
+def _relation(t: Fsdp1ToFsdp2, model: str, node: cst.CSTNode) -> tuple[str, list[cst.ClassDef]]:
+    """How the class holding `node` stands to the classes that wrap `self.<attribute>` `model`: "own" (one of them,
+    or derived from one in this file), "base" (a base of one: its methods may run on their wrapped model) or
+    "other" (DPO's TensorParallelTrainer beside the FSDPTrainer that wraps `self.policy`); "own" where it is not
+    such an attribute. With the wrapping classes that derive from it, for "base"."""
+    owners = _classes_wrapping(t, model) if model.startswith("self.") else set()
+    here = _enclosing_class(node, t.resume.bindings.parents)
+    if not owners or here is None:
+        return "own", []
+    classes = {c.name.value: c for c in t.module.body if isinstance(c, cst.ClassDef)}
+
+    def ancestors(cls: cst.ClassDef) -> set[str]:
+        pending, seen = [cls], set()
+        while pending:
+            current = pending.pop()
+            seen.add(current.name.value)
+            for base in current.bases:
+                name = base.value.value if isinstance(base.value, cst.Name) else None
+                if name in classes and name not in seen:
+                    pending.append(classes[name])
+        return seen
+
+    if ancestors(here) & owners:
+        return "own", []
+    derived = [c for name, c in classes.items() if name in owners and here.name.value in ancestors(c)]
+    return ("base", derived) if derived else ("other", [])
+
+
+def _defines(cls: cst.ClassDef, name: str) -> bool:
+    return any(isinstance(s, cst.FunctionDef) and s.name.value == name for s in cls.body.body)
+
+
+# FSDP1 methods whose FSDP2 forms work on any module (torch.nn.utils' clip, runtime.without_gradient_sync falls back
+# to DDP's no_sync): mapped in a base class whose subclass wraps the model
+_ANY_MODULE = frozenset({"no_sync", "clip_grad_norm_"})
+
+
 def known(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> str | None:
     """The model `receiver` is (itself, or what `receiver._orig_mod` compiled) when the file knows it wrapped."""
     model = receiver[: -len(_COMPILED)] if receiver.endswith(_COMPILED) else receiver
     read = node.func if isinstance(node, cst.Call) else node  # `model.method` / `model.attribute`
     if isinstance(read, cst.Attribute) and before_its_wrapping(t, read.value):
         return None
+    relation, derived = _relation(t, model, node)
+    if relation == "other":
+        return None
+    if relation == "base":  # (DPO's BasicTrainer, whose FSDPTrainer wraps `self.policy`)
+        method = read.attr.value if isinstance(read, cst.Attribute) else ""
+        if method in _ANY_MODULE:
+            return model
+        function = _enclosing_function(node, t.resume.bindings.parents)
+        inherits = [c.name.value for c in derived if function is None or not _defines(c, function.name.value)]
+        if method in ("state_dict", "load_state_dict") and inherits:
+            why = (
+                f"`{model}` is wrapped by {', '.join(inherits)}, which inherits this method: there it is FSDP1's "
+                "model (its state-dict type's dict), elsewhere a plain module's"
+            )
+            fix = "override the method in the wrapping class with get_/set_model_state_dict, or call those here"
+            t.report(node, f"`{receiver}.{method}(...)`", why, fix)
+        return None
     if model in t.survey.models or any(m == model for m, _ in t.blocks) or model in function_models(t, node):
         return model
     return None
+
+
+def no_sync_value(t: Fsdp1ToFsdp2, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression | None:
+    """`model.no_sync` taken as a value on a known model (open_lm's `maybe_no_sync = model.no_sync`, called later):
+    a callable giving the runtime's context manager, as FSDP1's bound method gave its own; None elsewhere."""
+    if original.attr.value != "no_sync" or known(t, t.code(original.value), original) is None:
+        return None
+    parent = t.get_metadata(ParentNodeProvider, original, None)
+    if isinstance(parent, cst.Call) and parent.func is original:
+        return None  # `model.no_sync()`: rewrite() maps the call
+    t.need(RUNTIME, NO_SYNC)
+    t.need("functools")
+    t.consumed.add(original)
+    return t.expr(f"functools.partial({NO_SYNC}, {t.code(updated.value)})")
 
 
 def attribute(t: Fsdp1ToFsdp2, original: cst.Attribute) -> None:

@@ -2,14 +2,21 @@
 becomes FSDP2's MixedPrecisionPolicy only where that gives what FSDP1 did. It stays FSDP1's, reported, where an
 FSDP(...) that takes it stays FSDP1 (an FSDP2 policy would break it), and where it sets a buffer_dtype that no
 construction of the file casts the buffers to (FSDP2's policy has no buffer_dtype: dropped, the buffers would stay
-in their own dtype without a word). The call is rewritten in place: its comments and layout are kept."""
+in their own dtype without a word). The call is rewritten in place: its comments and layout are kept.
+
+A literal `CPUOffload(...)` likewise becomes FSDP2's policy only where this file's constructions alone take it."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, cast
 
 import libcst as cst
+from libcst.metadata import ParentNodeProvider
+
+if TYPE_CHECKING:
+    from .transformer import Fsdp1ToFsdp2
 
 Resolve = Callable[[cst.BaseExpression], cst.BaseExpression]
 
@@ -107,3 +114,32 @@ def kept(refused: list[str], used: bool | None) -> tuple[str, str]:
     why = "FSDP2's MixedPrecisionPolicy has no buffer_dtype, and no construction of this file casts the buffers for it"
     fix = "after fully_shard, cast the floating-point buffers to that dtype (`buffer.data = buffer.data.to(dtype)`)"
     return why, fix
+
+
+def offload_for_constructions(t: Fsdp1ToFsdp2, call: cst.Call) -> bool:
+    """Whether only this file's FSDP(...) calls take a CPUOffload(...): as their `cpu_offload=`, or through a name
+    bound to it once and read only there. Elsewhere (a dict handed on, a conditional, returned) it may reach an
+    FSDP(...) that stays FSDP1, in this program or out of it."""
+    parent = t.get_metadata(ParentNodeProvider, call, None)
+    if isinstance(parent, cst.Arg):
+        return _is_offload_keyword(t, parent)
+    if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
+        return False
+    target = parent.targets[0].target
+    binding = t.resume.bindings.single(target) if isinstance(target, cst.Name) else None
+    if binding is None or cast(cst.Name, target).value in t.facts.read_elsewhere:
+        return False
+    uses = [t.get_metadata(ParentNodeProvider, use, None) for use in binding.uses]
+    return bool(uses) and all(isinstance(arg, cst.Arg) and _is_offload_keyword(t, arg) for arg in uses)
+
+
+def _is_offload_keyword(t: Fsdp1ToFsdp2, arg: cst.Arg) -> bool:
+    """`cpu_offload=...` of an FSDP(...) call."""
+    call = t.get_metadata(ParentNodeProvider, arg, None)
+    return (
+        arg.keyword is not None
+        and arg.keyword.value == "cpu_offload"
+        and isinstance(call, cst.Call)
+        and t.fsdp1(call.func) == "FullyShardedDataParallel"
+        and not any(a.star == "**" for a in call.args)  # (fully_shard_fsdp1 takes FSDP1's values)
+    )

@@ -19,6 +19,7 @@ from typing import cast
 import libcst as cst
 
 from .construction import NOTE
+from .report import Finding
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,17 @@ def _optimizer_after(
     end = body.index(first) + info.count
     note = f"{NOTE} moved after fully_shard, which replaces the parameters"
     body[end:end] = [_note(s, note) for s in moving]
+
+
+def unmovable(info: Placed, statement: str) -> Finding:
+    """The finding for a statement reading the parameters before a construction that cannot move after it."""
+    why = (
+        f"`{statement}` reads `{info.model}`'s parameters before fully_shard replaces them with DTensors, and the "
+        "statements between use what it binds (or change what it reads), so it cannot move after it: an optimizer "
+        "built there would hold the replaced parameters"
+    )
+    fix = "build what holds the parameters (the optimizer) after the fully_shard calls"
+    return Finding(info.line, "a statement before the construction", why, fix)
 
 
 _COUNTS = frozenset({"sum", "len", "print"})

@@ -44,6 +44,7 @@ class Survey(cst.CSTVisitor):
         # the statements that bind a name to the wrapped model: `model = FSDP(...)`, `model = build(...)` (builders)
         self.wrapping: set[cst.SimpleStatementLine] = set()
         self.fsdp_partials: list[cst.Call] = []  # every `partial(FSDP, ...)` (partials.py)
+        self.runs_fsdp1_calls = False  # a migrated file's fully_shard_fsdp1(...): FSDP1's values, read at run time
         self.builders = Builders()  # functions returning the wrapped model to their callers (follow_builders)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
@@ -92,6 +93,7 @@ class Survey(cst.CSTVisitor):
             self.fsdp_calls.append(node)
         if is_fsdp_partial(node, self._qualified):
             self.fsdp_partials.append(node)
+        self.runs_fsdp1_calls |= "fsdp_legacy.migrate.runtime.fully_shard_fsdp1" in self._qualified(node.func)
 
     def visit_Name(self, node: cst.Name) -> None:
         self.name_count[node.value] += 1

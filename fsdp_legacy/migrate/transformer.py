@@ -13,15 +13,26 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import apply_call, configs, construction, optim_state, partials, precision, run_time_blocks, summon, unwrap
+from . import (
+    apply_call,
+    configs,
+    construction,
+    methods,
+    optim_state,
+    partials,
+    precision,
+    run_time_blocks,
+    summon,
+    unwrap,
+)
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .facts import FileFacts
 from .manual_wrap import ManualWrap
 from .methods import attribute as _fsdp1_attribute
 from .methods import rewrite as _method
-from .names import advice, fsdp1_name
+from .names import FSDP1_MAPPED_KWARGS, advice, fsdp1_name
 from .removal import bare as _bare
-from .reorder import Placed, bound_names, names_in, reorder
+from .reorder import Placed, bound_names, names_in, reorder, unmovable
 from .report import Finding
 from .sharded_resume import LOADER, ShardedResume
 from .state_dict_type import BLOCK, SetTypes, TypeOptions
@@ -303,33 +314,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             carried = []
         if carried or (body and not kept):  # (a block emptied by the rewrite; an empty file stays empty)
             kept.append(cst.SimpleStatementLine([cst.Pass()], leading_lines=carried))
-        return reorder(kept, self.constructions, self.checkpointing, self.code, self._stays_before)
-
-    def _offload_for_constructions(self, call: cst.Call) -> bool:
-        """Whether only this file's FSDP(...) calls take a CPUOffload(...): as their `cpu_offload=`, or through a name
-        bound to it once and read only there. Elsewhere (a dict handed on, a conditional, returned) it may reach an
-        FSDP(...) that stays FSDP1, in this program or out of it."""
-        parent = self.get_metadata(ParentNodeProvider, call, None)
-        if isinstance(parent, cst.Arg):
-            return _is_offload_keyword(self, parent)
-        if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1):
-            return False
-        target = parent.targets[0].target
-        binding = self.resume.bindings.single(target) if isinstance(target, cst.Name) else None
-        if binding is None or cast(cst.Name, target).value in self.facts.read_elsewhere:
-            return False
-        uses = [self.get_metadata(ParentNodeProvider, use, None) for use in binding.uses]
-        return bool(uses) and all(isinstance(arg, cst.Arg) and _is_offload_keyword(self, arg) for arg in uses)
-
-    def _stays_before(self, info: Placed, statement: str) -> None:
-        """A statement reading the parameters before a construction that cannot move after it (reorder.py)."""
-        why = (
-            f"`{statement}` reads `{info.model}`'s parameters before fully_shard replaces them with DTensors, and the "
-            "statements between use what it binds (or change what it reads), so it cannot move after it: an "
-            "optimizer built there would hold the replaced parameters"
-        )
-        fix = "build what holds the parameters (the optimizer) after the fully_shard calls"
-        self.findings.append(Finding(info.line, "a statement before the construction", why, fix))
+        stays = lambda info, statement: self.findings.append(unmovable(info, statement))  # noqa: E731
+        return reorder(kept, self.constructions, self.checkpointing, self.code, stays)
 
     def _resumed(self, statement: cst.BaseStatement) -> list[cst.BaseStatement]:
         """A mapped load_sharded_optimizer_state_dict(...) as FSDP2's load (sharded_resume.py)."""
@@ -462,6 +448,9 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if original.attr.value == "module" and self.code(original.value) in self.survey.models:
             self.consumed.add(original)
             return updated.value
+        no_sync = methods.no_sync_value(self, original, updated)
+        if no_sync is not None:
+            return no_sync
         if original.attr.value == "apply" and self.code(original.value) in self.survey.models:
             parent = self.get_metadata(ParentNodeProvider, original, None)
             if not (isinstance(parent, cst.Call) and parent.func is original):
@@ -495,7 +484,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 return updated
             self.need(FSDP2, "MixedPrecisionPolicy")
             rewritten = precision.policy_call(updated)
-        elif name == "CPUOffload" and not self._offload_for_constructions(original):
+        elif name == "CPUOffload" and not precision.offload_for_constructions(self, original):
             self.consumed.add(original)  # what takes it the text does not show: FSDP1's, which fsdp1_options reads too
         elif name == "CPUOffload" and construction.offload_policy(original, self.code):
             policy = cast(str, construction.offload_policy(original, self.code))
@@ -553,9 +542,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 for call in self.survey.fsdp_calls
                 if call in self.survey.constructions
             }
-            built = [(call, call in builds and not builds[call].problems) for call in self.survey.fsdp_calls]
+            built = [  # (fully_shard_fsdp1's values stay FSDP1's, as FSDP1's calls' do)
+                (call, call in builds and not builds[call].problems and not builds[call].fsdp1_values)
+                for call in self.survey.fsdp_calls
+            ]
             self._run_time_keywords = frozenset().union(*(b.at_run_time for b in builds.values() if not b.problems))
             self._run_time_keywords |= partials.run_time_keywords(self.survey.fsdp_partials, self.code)
+            self._run_time_keywords |= FSDP1_MAPPED_KWARGS if self.survey.runs_fsdp1_calls else frozenset()
             survey = self.survey
             self._precision_uses = precision.uses(
                 built, self.value_of, survey.assigned, survey.name_count, self.facts.policy_uses
@@ -626,14 +619,3 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def _need_helpers(self, *names: str) -> None:
         for name in (*names, "StateDictOptions"):
             self.need(STATE_DICT_HELPERS, name)
-
-
-def _is_offload_keyword(t: Fsdp1ToFsdp2, arg: cst.Arg) -> bool:
-    """`cpu_offload=...` of an FSDP(...) call."""
-    call = t.get_metadata(ParentNodeProvider, arg, None)
-    return (
-        arg.keyword is not None
-        and arg.keyword.value == "cpu_offload"
-        and isinstance(call, cst.Call)
-        and t.fsdp1(call.func) == _FSDP
-    )

@@ -508,7 +508,7 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
 
 def run(net, optim, options):
-    model = FSDP(net, **options)  # <- keywords not in the text
+    model = FSDP(net, *options)  # <- arguments not in the text
     other = FSDP(net.head, process_group=net.group, sharding_strategy=ShardingStrategy.NO_SHARD)  # <- group
     with FSDP.summon_full_params(model, writeback=True):  # <- summon
         model.weight.zero_()

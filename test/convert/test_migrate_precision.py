@@ -76,7 +76,7 @@ def test_the_policy_of_a_construction_that_stays_fsdp1_stays_fsdp1s() -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         def build(net, cfg):
-            model = FSDP(net, mixed_precision=fpSixteen, **cfg.fsdp_kwargs)
+            model = FSDP(net, *cfg.fsdp_args, mixed_precision=fpSixteen)
             return model
         """
     )
@@ -147,6 +147,7 @@ _COMPUTED = """from torch.distributed.fsdp import ShardingStrategy
 
 STRATEGY = getattr(ShardingStrategy, "FULL_SHARD")
 FSDP_EXTRA = {"sharding_strategy": STRATEGY}
+FSDP_ARGS = ()  # (arguments by position the text does not show: the construction stays FSDP1)
 """
 
 
@@ -205,13 +206,13 @@ def test_a_policy_whose_construction_stays_fsdp1_stays_fsdp1s_across_files(ranks
     """The trainer's FSDP(...) stays FSDP1 (keywords the text does not show): its policy, in another file, stays
     FSDP1's too (alone, that file rewrote it, and FSDP1 then failed on FSDP2's policy), and the program runs as it
     did; a policy nothing uses is still rewritten."""
-    files = _train("bf16_params", ", **FSDP_EXTRA")
+    files = _train("bf16_params", ", *FSDP_ARGS")
     alone = migrate_source(files["policies/mixed_precision.py"])
     assert "bf16_params = MixedPrecisionPolicy(" in alone.migrated  # the file alone: the wrong half
     results = _migrated(files, tmp_path)
     assert results["train.py"].migrated == files["train.py"]
     reported = " ".join(f.what + ": " + f.why for f in results["train.py"].findings)
-    assert "**kwargs" in reported
+    assert "*args" in reported
     policies = results["policies/mixed_precision.py"]
     assert "bf16_params = MixedPrecision(param_dtype" in policies.migrated  # FSDP1's, as the construction's
     assert [f.line for f in policies.findings] == [5, 10]  # bfSixteen (buffer_dtype, unused), bf16_params (kept)

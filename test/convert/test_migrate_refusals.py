@@ -176,7 +176,7 @@ _KEPT = textwrap.dedent(
 
 
     def train(net, head, cfg, batch):
-        model = FSDP(net, cpu_offload=offload, **cfg.fsdp_kwargs)
+        model = FSDP(net, *cfg.fsdp_args, cpu_offload=offload)
         other = FSDP(head)
         model(batch).sum().backward()
         model.clip_grad_norm_(1.0)
@@ -191,14 +191,14 @@ def test_a_construction_that_stays_fsdp1_keeps_its_file() -> None:
     (matching nothing), the other construction fully_shard and its CPUOffload FSDP2's policy (which FSDP1 rejects)."""
     result = migrate_source(_KEPT)
     assert result.migrated == _KEPT
-    assert any(f.line == 9 and "**kwargs" in f.what for f in result.findings)
+    assert any(f.line == 9 and "*args" in f.what for f in result.findings)
     refusal = next(f for f in result.findings if f.kind == "refused")
     assert refusal.line == 9 and "at line 9 stays FSDP1" in refusal.why and "as a whole" in refusal.why
     assert result.fsdp1_constructions == {9}
 
 
 def test_once_it_can_be_read_the_file_migrates() -> None:
-    result = migrate_source(_KEPT.replace(", **cfg.fsdp_kwargs", ""))
+    result = migrate_source(_KEPT.replace("*cfg.fsdp_args, ", ""))
     assert result.findings == [], [f.format("x.py") for f in result.findings]
     assert "offload = CPUOffloadPolicy()" in result.migrated and "torch.nn.utils.clip_grad_norm_" in result.migrated
 
@@ -364,22 +364,39 @@ _KWARGS_USER = textwrap.dedent(
 
 
 def test_cpu_offload_handed_on_stays_fsdp1s(ranks: Any) -> None:
-    """A CPUOffload(...) built into a kwargs dict another file hands to `FSDP(net, **kwargs)`, which stays FSDP1: it
-    used to become FSDP2's CPUOffloadPolicy(), which FSDP1's construction then could not take. Now it stays FSDP1's,
-    and the program's FSDP1 construction builds with it, offloading as before."""
+    """A CPUOffload(...) built into a kwargs dict that another file hands to `FSDP(net, **kwargs)`: it used to become
+    FSDP2's CPUOffloadPolicy(), which an FSDP(...) left FSDP1 then could not take (`.offload_params`). Now it stays
+    FSDP1's: FSDP1's construction takes it as before, and the migrated one (`fully_shard_fsdp1(net, **kwargs)`,
+    which maps the dict's values at run time) offloads with it."""
     program = migrate_program({"fsdp_util.py": _KWARGS_FACTORY, "train.py": _KWARGS_USER})
     factory = program.results["fsdp_util.py"].migrated
     assert "CPUOffload(offload_params=True) if cpu_offload else None" in factory and "CPUOffloadPolicy" not in factory
-    assert program.results["train.py"].migrated == _KWARGS_USER  # (the **kwargs construction stays, reported)
-    assert ranks(_offloads_with, 2, factory) == [True, True]
+    train = program.results["train.py"].migrated
+    assert 'net = fully_shard_fsdp1(net, device_id=torch.device("cpu"), **get_fsdp_kwargs(cpu_offload=True))' in train
+    assert ranks(_offloads_with, 2, factory, _KWARGS_USER) == [(True, True)] * 2  # FSDP1's, as before
+    assert ranks(_offloads_with, 2, factory, train) == [(False, True)] * 2  # fully_shard's, offloaded
 
 
-def _offloads_with(factory: str) -> bool:
-    import torch
+def _offloads_with(factory: str, train: str) -> tuple[bool, bool]:
+    """On a rank: whether the program's model is FSDP1's, and whether its parameters are offloaded."""
+    import sys
+    import types
+
     import torch.nn as nn
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    namespace: dict[str, Any] = {}
-    exec(compile(factory, "fsdp_util.py", "exec"), namespace)
-    model = FSDP(nn.Linear(4, 4), device_id=torch.device("cpu"), **namespace["get_fsdp_kwargs"](cpu_offload=True))
-    return bool(model.cpu_offload.offload_params)
+    module = types.ModuleType("fsdp_util")
+    exec(compile(factory, "fsdp_util.py", "exec"), module.__dict__)
+    sys.modules["fsdp_util"] = module
+    try:
+        namespace: dict[str, Any] = {}
+        exec(compile(train, "train.py", "exec"), namespace)
+        model = namespace["build"](nn.Linear(4, 4))
+    finally:
+        del sys.modules["fsdp_util"]
+    if isinstance(model, FSDP):
+        return True, bool(model.cpu_offload.offload_params)
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    state = model._get_fsdp_state()  # (FSDP2's state: the offload policy its parameter group runs with)
+    return False, isinstance(state._fsdp_param_group.offload_policy, CPUOffloadPolicy)
