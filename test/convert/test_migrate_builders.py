@@ -308,7 +308,7 @@ class Block(nn.Module):
         return x + self.inner(x)
 
 
-def setup_fsdp_sync(model):
+def setup_fsdp_sync(model: nn.Module) -> FSDP:
     model = FSDP(
         model,
         auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, Block)),
@@ -376,12 +376,14 @@ def test_a_load_before_the_wrapping_stays_the_plain_modules(ranks: Any, tmp_path
     """LlamaGen's FSDP trainer: rank 0 loads the consolidated checkpoint into the model before handing it to the
     function that wraps it (`model = setup_fsdp_sync(model, ...)`, sync_module_states=True). That call is on the plain
     module: it stays `model.load_state_dict(...)` (it became `set_model_state_dict(model, ...)` on one rank), while
-    the calls after the wrapping become FSDP2's; the program trains as FSDP1's from the same weights."""
+    the calls after the wrapping become FSDP2's, and the builder's `-> FSDP` annotation FSDPModule (it was reported,
+    the file left half FSDP1); the program trains as FSDP1's from the same weights."""
     result = migrate_source(_LOADED_BEFORE_WRAPPING)
     assert result.findings == [], [f.format("x.py") for f in result.findings]
     out = result.migrated
     assert "        model.load_state_dict(torch.load(resume, weights_only=True), strict=True)\n" in out
     assert "torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)" in out
+    assert "def setup_fsdp_sync(model: nn.Module) -> FSDPModule:" in out  # (evaluated where it is defined)
     assert "consolidated = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True" in out
     for rank, ((losses1, full1), (losses2, full2)) in enumerate(
         ranks(_resumed_side_by_side, 2, _LOADED_BEFORE_WRAPPING, out, str(tmp_path / "consolidated.pt"))
