@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import libcst as cst
 from libcst.metadata import (
@@ -18,6 +19,8 @@ from libcst.metadata import (
     Scope,
     ScopeProvider,
 )
+
+N = TypeVar("N", bound=cst.CSTNode)
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class Bindings:
         positions = {id(a.node): self._order(a.node) for a in found}
         at = self._order(name)
         earlier = [a for a in found if positions[id(a.node)] < at]
-        if not earlier or any(self._in_loop_around(name, a.node) for a in found if positions[id(a.node)] > at):
+        if not earlier or any(self.in_loop_around(name, a.node) for a in found if positions[id(a.node)] > at):
             return None
         nearest = max(earlier, key=lambda a: positions[id(a.node)])
         target = self.parents.get(nearest.node)
@@ -99,17 +102,28 @@ class Bindings:
         start = self.positions[node].start
         return start.line, start.column
 
-    def _in_loop_around(self, name: cst.CSTNode, other: cst.CSTNode) -> bool:
-        node: cst.CSTNode | None = self.parents.get(name)
-        while node is not None and not isinstance(node, (cst.FunctionDef, cst.Module)):
-            if isinstance(node, (cst.For, cst.While)):
-                current: cst.CSTNode | None = other
-                while current is not None and current is not node:
-                    current = self.parents.get(current)
-                if current is node:
-                    return True
-            node = self.parents.get(node)
+    def enclosing(self, node: cst.CSTNode, kind: type[N]) -> N | None:
+        """The nearest node of `kind` holding `node` (itself included)."""
+        current: cst.CSTNode | None = node
+        while current is not None and not isinstance(current, kind):
+            current = self.parents.get(current)
+        return current
+
+    def in_loop_around(self, node: cst.CSTNode, other: cst.CSTNode) -> bool:
+        """Whether a loop of the function (or module) holding `node` holds `other` too: run again, `node` comes
+        after `other` as well."""
+        loop: cst.CSTNode | None = self.parents.get(node)
+        while loop is not None and not isinstance(loop, (cst.FunctionDef, cst.Module)):
+            if isinstance(loop, (cst.For, cst.While)) and self._holds(loop, other):
+                return True
+            loop = self.parents.get(loop)
         return False
+
+    def _holds(self, outer: cst.CSTNode, node: cst.CSTNode) -> bool:
+        current: cst.CSTNode | None = node
+        while current is not None and current is not outer:
+            current = self.parents.get(current)
+        return current is outer
 
     def count_in_scope(self, name: str, node: cst.CSTNode) -> int:
         """How often `name` occurs in the function (or module) holding `node`, functions inside it included."""

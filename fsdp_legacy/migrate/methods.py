@@ -10,7 +10,6 @@ FSDP1 gives its current state-dict type: its default, FULL on every rank, unless
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
 
 import libcst as cst
@@ -103,59 +102,27 @@ def _start(t: Fsdp1ToFsdp2, node: cst.CSTNode) -> tuple[int, int]:
     return start.line, start.column
 
 
-def _statement(node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> cst.CSTNode | None:
-    while node in parents and not isinstance(node, cst.SimpleStatementLine):
-        node = parents[node]
-    return node if isinstance(node, cst.SimpleStatementLine) else None
-
-
 def before_its_wrapping(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression) -> bool:
     """Whether `receiver`, a name, is read before the statement of its scope that binds it to the wrapped model
     (`model.load_state_dict(sd)` ahead of `model = FSDP(model)` or `model = build(model)`), where no earlier binding
     of the scope wrapped it: the module the program is about to wrap, whose calls stay as written. A loop around
     both reads it again after the wrapping: not before it."""
-    scopes, parents = t.resume.bindings.scopes, t.resume.bindings.parents
-    scope = scopes.get(receiver) if isinstance(receiver, cst.Name) else None
+    names = t.resume.bindings
+    scope = names.scopes.get(receiver) if isinstance(receiver, cst.Name) else None
     if scope is None or not isinstance(receiver, cst.Name):
         return False
     at = _start(t, receiver)
     bindings = sorted(
         ((_start(t, a.node), statement)
          for a in scope[receiver.value]
-         if isinstance(a, Assignment) and (statement := _statement(a.node, parents)) is not None),
+         if isinstance(a, Assignment) and (statement := names.enclosing(a.node, cst.SimpleStatementLine)) is not None),
         key=lambda pair: pair[0],
     )  # fmt: skip
     before = [statement for start, statement in bindings if start < at]
     after = [statement for start, statement in bindings if start > at]
     if not after or after[0] not in t.survey.wrapping or (before and before[-1] in t.survey.wrapping):
         return False
-    node: cst.CSTNode | None = parents.get(receiver)
-    while node is not None and not isinstance(node, (cst.FunctionDef, cst.Module)):
-        if isinstance(node, (cst.For, cst.While)) and _inside(after[0], node, parents):
-            return False
-        node = parents.get(node)
-    return True
-
-
-def _inside(node: cst.CSTNode, outer: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> bool:
-    current: cst.CSTNode | None = node
-    while current is not None and current is not outer:
-        current = parents.get(current)
-    return current is outer
-
-
-def _enclosing_class(node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> cst.ClassDef | None:
-    current: cst.CSTNode | None = node
-    while current is not None and not isinstance(current, cst.ClassDef):
-        current = parents.get(current)
-    return current
-
-
-def _enclosing_function(node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> cst.FunctionDef | None:
-    current: cst.CSTNode | None = node
-    while current is not None and not isinstance(current, cst.FunctionDef):
-        current = parents.get(current)
-    return current
+    return not names.in_loop_around(receiver, after[0])
 
 
 def _classes_wrapping(t: Fsdp1ToFsdp2, model: str) -> set[str]:
@@ -164,7 +131,7 @@ def _classes_wrapping(t: Fsdp1ToFsdp2, model: str) -> set[str]:
     for statement in t.survey.wrapping:
         assign = statement.body[0]
         targets = [t.code(a.target) for a in assign.targets] if isinstance(assign, cst.Assign) else []
-        owner = _enclosing_class(statement, t.resume.bindings.parents)
+        owner = t.resume.bindings.enclosing(statement, cst.ClassDef)
         if model in targets and owner is not None:
             found.add(owner.name.value)
     return found
@@ -176,7 +143,7 @@ def _relation(t: Fsdp1ToFsdp2, model: str, node: cst.CSTNode) -> tuple[str, list
     "other" (DPO's TensorParallelTrainer beside the FSDPTrainer that wraps `self.policy`); "own" where it is not
     such an attribute. With the wrapping classes that derive from it, for "base"."""
     owners = _classes_wrapping(t, model) if model.startswith("self.") else set()
-    here = _enclosing_class(node, t.resume.bindings.parents)
+    here = t.resume.bindings.enclosing(node, cst.ClassDef)
     if not owners or here is None:
         return "own", []
     classes = {c.name.value: c for c in t.module.body if isinstance(c, cst.ClassDef)}
@@ -220,7 +187,7 @@ def known(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> str | None:
         method = read.attr.value if isinstance(read, cst.Attribute) else ""
         if method in _ANY_MODULE:
             return model
-        function = _enclosing_function(node, t.resume.bindings.parents)
+        function = t.resume.bindings.enclosing(node, cst.FunctionDef)
         inherits = [c.name.value for c in derived if function is None or not _defines(c, function.name.value)]
         if method in ("state_dict", "load_state_dict") and inherits:
             why = (

@@ -38,16 +38,16 @@ def reorder(
     placed: dict[int, Placed],
     checkpointing: dict[int, str],
     code: Callable[[cst.CSTNode], str],
-    stays: Callable[[Placed, str], None] = lambda info, statement: None,
+    report: Callable[[Finding], None] = lambda finding: None,
 ) -> list[cst.BaseStatement]:
     """`body` with the moves above made; `placed` and `checkpointing` (the model each activation-checkpointing
-    statement wraps) are keyed by id() of the statements in `body`; `stays` hears of each statement that reads the
+    statement wraps) are keyed by id() of the statements in `body`; `report` hears of each statement that reads the
     parameters before the construction and cannot move."""
     for statement in list(body):
         info = placed.get(id(statement))
         if info is None:
             continue
-        _optimizer_after(body, statement, info, code, stays)
+        _optimizer_after(body, statement, info, code, report)
         _checkpointing_before(body, statement, info, checkpointing, code)
     return body
 
@@ -62,7 +62,7 @@ def _optimizer_after(
     first: cst.BaseStatement,
     info: Placed,
     code: Callable[[cst.CSTNode], str],
-    stays: Callable[[Placed, str], None],
+    report: Callable[[Finding], None],
 ) -> None:
     start = body.index(first)
     since = next((i + 1 for i in range(start - 1, -1, -1) if info.model.split(".")[0] in bound_names(body[i])), 0)
@@ -79,7 +79,7 @@ def _optimizer_after(
         reads = set().union(*(names_in(s) for s in between)) if between else set()
         binds = set().union(*(bound_names(s) for s in between)) if between else set()
         if bound_names(body[i]) & reads or names_in(body[i]) & binds:
-            stays(info, code(body[i]).strip())
+            report(_unmovable(info, code(body[i]).strip()))
         else:
             moving.append(body[i])
     for s in moving:
@@ -89,7 +89,7 @@ def _optimizer_after(
     body[end:end] = [_note(s, note) for s in moving]
 
 
-def unmovable(info: Placed, statement: str) -> Finding:
+def _unmovable(info: Placed, statement: str) -> Finding:
     """The finding for a statement reading the parameters before a construction that cannot move after it."""
     why = (
         f"`{statement}` reads `{info.model}`'s parameters before fully_shard replaces them with DTensors, and the "

@@ -32,7 +32,7 @@ from .methods import attribute as _fsdp1_attribute
 from .methods import rewrite as _method
 from .names import FSDP1_MAPPED_KWARGS, advice, fsdp1_name
 from .removal import bare as _bare
-from .reorder import Placed, bound_names, names_in, reorder, unmovable
+from .reorder import Placed, bound_names, names_in, reorder
 from .report import Finding
 from .sharded_resume import LOADER, ShardedResume
 from .state_dict_type import BLOCK, SetTypes, TypeOptions
@@ -314,8 +314,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             carried = []
         if carried or (body and not kept):  # (a block emptied by the rewrite; an empty file stays empty)
             kept.append(cst.SimpleStatementLine([cst.Pass()], leading_lines=carried))
-        stays = lambda info, statement: self.findings.append(unmovable(info, statement))  # noqa: E731
-        return reorder(kept, self.constructions, self.checkpointing, self.code, stays)
+        return reorder(kept, self.constructions, self.checkpointing, self.code, self.findings.append)
 
     def _resumed(self, statement: cst.BaseStatement) -> list[cst.BaseStatement]:
         """A mapped load_sharded_optimizer_state_dict(...) as FSDP2's load (sharded_resume.py)."""

@@ -345,31 +345,22 @@ def main(resume):
 
 def _resumed_side_by_side(original: str, migrated: str, path: str) -> list[Any]:
     import torch.distributed as dist
+    import torch.nn as nn
 
-    if dist.get_rank() == 0:
-        torch.manual_seed(123)
-        torch.save(nn_state(), path)
-    dist.barrier()
     # torch's FSDP1 refuses sync_module_states on the CPU: fsdp_legacy's FSDP1 (equal to it in the parity tests) runs
     # the original program
     original = original.replace("torch.distributed.fsdp", "fsdp_legacy")
-    out = []
+    programs = []
     for name, source in (("fsdp1.py", original), ("fsdp2.py", migrated)):
         namespace: dict[str, Any] = {}
         exec(compile(source, name, "exec"), namespace)
-        out.append(namespace["main"](path))
-    return out
-
-
-def nn_state() -> dict[str, torch.Tensor]:
-    import torch.nn as nn
-
-    class Block(nn.Module):
-        def __init__(self, width: int) -> None:
-            super().__init__()
-            self.inner = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
-
-    return nn.Sequential(Block(8), Block(8), nn.Linear(8, 1)).state_dict()
+        programs.append(namespace)
+    if dist.get_rank() == 0:  # the consolidated checkpoint both resume from: the program's own model, other weights
+        torch.manual_seed(123)
+        block = programs[0]["Block"]
+        torch.save(nn.Sequential(block(8), block(8), nn.Linear(8, 1)).state_dict(), path)
+    dist.barrier()
+    return [program["main"](path) for program in programs]
 
 
 def test_a_load_before_the_wrapping_stays_the_plain_modules(ranks: Any, tmp_path: Path) -> None:
