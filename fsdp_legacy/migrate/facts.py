@@ -48,3 +48,6 @@ class FileFacts:
     # whether another file hands a wrapped model to a function here (followed or not): its FSDP1 calls are looked
     # at even where the file names no FSDP
     receives_models: bool = False
+    # this file's module-level functions -> the parameters some calls, not all, give a wrapped model: their
+    # state-dict calls are FSDP1's full dict for those calls and a plain module's for the others (reported)
+    sometimes_wrapped_params: Mapping[str, frozenset[str]] = field(default_factory=dict)

@@ -4,11 +4,13 @@ utils/train_utils.py, called by each main_training*.py as `train(cfg, model, ...
 Where every call of a module-level function in the program (its own file's too) hands a wrapped model of the
 calling file at a parameter's place, by position or keyword, that parameter is the wrapped model inside the function
 where it does not rebind it (methods.py: `model.clip_grad_norm_(...)`, `model.state_dict()`, `model.no_sync()`).
-Followed only where the function is imported by name (`from utils import train`), not listed in `__all__`, read as
-`utils.train` or star-imported, and every mention of it is a call without `*args` or `**kwargs`. A calling file that
-stays FSDP1 keeps the function's file FSDP1 too (program.py): FSDP2's calls there would meet an FSDP1 model. And the
-other way: a file that hands its wrapped model to a function of a file that stays FSDP1, in any form (`utils.save(model
-=model)` included), stays FSDP1 with it (`Handover`): FSDP1's calls there would meet an FSDP2 model."""
+Followed only where the function is imported by name (`from utils import train`) or read through its imported module
+(`utils.train(...)`), not listed in `__all__` or star-imported, and every mention of it is a call without `*args` or
+`**kwargs`; where only some calls hand it the model, its state-dict calls on that parameter are reported. A calling
+file that stays FSDP1 keeps the function's file FSDP1 too (program.py): FSDP2's calls there would meet an FSDP1
+model. And the other way: a file that hands its wrapped model to a function of a file that stays FSDP1, in any
+form (`utils.save(model=model)` included), stays FSDP1 with it (`Handover`): FSDP1's calls there would meet an FSDP2
+model."""
 
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ class Handed:
     # are looked at (and reported) even where the file names no FSDP
     receiving: frozenset[str] = frozenset()
     handovers: frozenset[Handover] = frozenset()
+    # path -> function -> the parameters some call, not every one, hands a wrapped model: their state-dict calls
+    # are reported (FSDP1's full dict there, a plain module's elsewhere)
+    sometimes: Mapping[str, Mapping[str, frozenset[str]]] = field(default_factory=dict)
 
 
 def _known(wrapper: MetadataWrapper, exported: Mapping[str, str], imported: frozenset[str]) -> frozenset[str]:
@@ -52,11 +57,12 @@ def _known(wrapper: MetadataWrapper, exported: Mapping[str, str], imported: froz
     return frozenset(survey.models | imported)
 
 
-def _calls(wrapper: MetadataWrapper, local: str, definition: cst.Name | None) -> list[cst.Call] | None:
-    """The calls of `local` in a file, or None where it is mentioned other than as a call's callee (imports and its
-    own def aside)."""
+def _calls(wrapper: MetadataWrapper, callee: str, definition: cst.Name | None) -> tuple[list[cst.Call], bool]:
+    """The calls of `callee` (a local name, or `module.function` for an imported module) in a file, and whether
+    every mention of it is one (imports and its own def aside)."""
     parents = wrapper.resolve(ParentNodeProvider)
     calls: list[cst.Call] = []
+    last = callee.rpartition(".")[2]
 
     class _Mentions(cst.CSTVisitor):
         ok = True
@@ -67,20 +73,28 @@ def _calls(wrapper: MetadataWrapper, local: str, definition: cst.Name | None) ->
         def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
             return False
 
-        def visit_Name(self, node: cst.Name) -> None:
-            if node.value != local or node is definition:
-                return
+        def _mention(self, node: cst.Name | cst.Attribute) -> None:
             call = parents.get(node)
-            if isinstance(call, cst.Attribute) and call.attr is node:
-                return  # `model.train()`: another name
             if isinstance(call, cst.Call) and call.func is node:
                 calls.append(call)
             else:
                 self.ok = False
 
+        def visit_Name(self, node: cst.Name) -> None:
+            if node.value != callee or node is definition:
+                return
+            parent = parents.get(node)
+            if isinstance(parent, cst.Attribute) and parent.attr is node:
+                return  # `model.train()`: another name
+            self._mention(node)
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if node.attr.value == last and "." in callee and wrapper.module.code_for_node(node) == callee:
+                self._mention(node)
+
     found = _Mentions()
     wrapper.module.visit(found)
-    return calls if found.ok else None
+    return calls, found.ok
 
 
 def _handed(call: cst.Call, function: cst.FunctionDef, models: frozenset[str]) -> set[str]:
@@ -145,34 +159,42 @@ def follow_handed(
         return known[path]
 
     params: dict[str, dict[str, frozenset[str]]] = {}
+    sometimes: dict[str, dict[str, frozenset[str]]] = {}
     callers: set[Caller] = set()
     receiving: set[str] = set()
     mention = {path for path, source in sources.items() if "fsdp" in source.lower()}  # (only these wrap models)
     handovers = {
         h for path in mention if path in wrappers for h in _handovers(path, wrappers[path], shared, models(path))
     }
+    modules = {path: shared.imported_modules(path) for path in wrappers}
     for path, wrapper in wrappers.items():
-        if not any(p in mention for p, _, _ in _importing(path, imports)):
+        through = [(p, local) for p, found in modules.items() if p != path for local, m in found.items() if m == path]
+        if not any(p in mention for p, _, _ in _importing(path, imports)) and not any(p in mention for p, _ in through):
             continue
-        listed = set(exported_names(wrapper.module)) | shared.read_otherwise(path)
+        listed = set(exported_names(wrapper.module)) | ({"*"} & shared.read_otherwise(path))
         defined = [s for s in wrapper.module.body if isinstance(s, cst.FunctionDef)]
         names = [f.name.value for f in defined]
         for function in defined:
             name = function.name.value
             importers = [(p, local) for p, n, local in _importing(path, imports) if n == name]
+            importers += [(p, f"{local}.{name}") for p, local in through]  # `utils.save(model)`
             if not importers or function.decorators or names.count(name) > 1 or name in listed or "*" in listed:
                 continue
-            handed: set[str] | None = None
+            given: list[set[str]] = []  # what each call hands
+            handing: set[str] = set()  # the files whose calls hand a wrapped model
+            followed = True
             for caller, local in [*importers, (path, name)]:
-                calls = _calls(wrappers[caller], local, function.name if caller == path else None)
-                for call in calls or ():
-                    given = _handed(call, function, models(caller))
-                    receiving |= {path} if given else set()
-                    handed = given if handed is None else handed & given
-                if calls is None:
-                    handed = set()
-                    break
-            if handed:
-                params.setdefault(path, {})[name] = frozenset(handed)
-                callers |= {Caller(path, name, p, handed=True) for p, _ in importers}
-    return Handed(params, frozenset(callers), frozenset(receiving), frozenset(handovers))
+                calls, only_calls = _calls(wrappers[caller], local, function.name if caller == path else None)
+                followed = followed and only_calls
+                for call in calls:
+                    given.append(_handed(call, function, models(caller)))
+                    handing |= {caller} if given[-1] else set()
+            some = set().union(*given)
+            receiving |= {path} if some else set()
+            every = set.intersection(*given) if given and followed else set()
+            if every:
+                params.setdefault(path, {})[name] = frozenset(every)
+                callers |= {Caller(path, name, p, handed=True) for p in handing - {path}}
+            elif some:
+                sometimes.setdefault(path, {})[name] = frozenset(some)
+    return Handed(params, frozenset(callers), frozenset(receiving), frozenset(handovers), sometimes)

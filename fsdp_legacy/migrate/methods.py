@@ -92,6 +92,19 @@ def function_models(t: Fsdp1ToFsdp2, node: cst.CSTNode) -> frozenset[str]:
     return cache[function]
 
 
+def sometimes_handed(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> bool:
+    """Whether `receiver` is a parameter of the module-level function holding `node` that some calls in the program,
+    not all, hand a wrapped model (handed_models.py), and that the function does not rebind."""
+    function = t.resume.bindings.enclosing(node, cst.FunctionDef)
+    if function is None or t.resume.bindings.parents.get(function) is not t.module:
+        return False
+    if receiver not in t.facts.sometimes_wrapped_params.get(function.name.value, frozenset()):
+        return False
+    found = _Blocks(t)
+    function.body.visit(found)
+    return receiver not in found.bound
+
+
 def _setters(t: Fsdp1ToFsdp2) -> bool:
     """Whether the program may set a state-dict type a function's parameter cannot be followed to."""
     return t.facts.state_dict_setters or bool(t.set_types.setters)
@@ -252,6 +265,15 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseE
         if t.code(func.value.value) in t.survey.models:  # FSDP1's wrapped module: left as written
             return t._apply(original, apply_call.on_wrapped_module(receiver), updated.with_changes(func=func))
     model = known(t, receiver, original)
+    if model is None and method in ("state_dict", "load_state_dict") and sometimes_handed(t, receiver, original):
+        why = (
+            f"calls of this function hand `{receiver}` the FSDP-wrapped model, but not every use of the function is "
+            "such a call: for those calls FSDP1's state-dict type decides the dict (the full dict by default), which "
+            "FSDP2's `state_dict()` does not give"
+        )
+        fix = "call get_/set_model_state_dict where it is the wrapped model, or hand every call the wrapped model"
+        t.report(original, f"`{receiver}.{method}(...)`", why, fix)
+        return None
     if model is None and original not in t.set_types.governed:
         return None
     outside = model is not None and model not in t.survey.models and all(m != model for m, _ in t.blocks)

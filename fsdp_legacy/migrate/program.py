@@ -88,6 +88,7 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
                 cross.followed.get(path, {}),
                 handed.params.get(path, {}),
                 path in handed.receiving,
+                handed.sometimes.get(path, {}),
             )
             if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
                 result = last[path][1]

@@ -283,12 +283,23 @@ def run():
 """
 
 
-def test_a_model_handed_to_another_files_function_is_the_wrapped_model_there(tmp_path: Path) -> None:
+# the same caller reaching the functions through their module (`train_utils.save(model)`), as wenet and ml-4m do
+_MAIN_THROUGH_MODULE = (
+    _MAIN.replace("from train_utils import save, train\n", "import train_utils as utils\n")
+    .replace("train({", "utils.train({")
+    .replace("save(model)", "utils.save(model)")
+)
+_CALLERS = {"by name": _MAIN, "through the module": _MAIN_THROUGH_MODULE}
+
+
+@pytest.mark.parametrize("caller", _CALLERS.values(), ids=list(_CALLERS))
+def test_a_model_handed_to_another_files_function_is_the_wrapped_model_there(tmp_path: Path, caller: str) -> None:
     """train_utils.py names no FSDP at all: before, it was left as written, `model.clip_grad_norm_` and FSDP1's
     default full `state_dict()` on what became an FSDP2 model (an AttributeError, and each rank's DTensor shards),
-    silently."""
+    silently; through the module, `utils.save(model)` was not followed, and the saved dict became each rank's shards
+    with nothing said."""
     utils, main = str(tmp_path / "train_utils.py"), str(tmp_path / "main.py")
-    program = migrate_program({utils: _TRAIN_UTILS, main: _MAIN})
+    program = migrate_program({utils: _TRAIN_UTILS, main: caller})
     assert all(r.changed and r.findings == [] for r in program.results.values()), {
         p: [f.format(p) for f in r.findings] for p, r in program.results.items()
     }
@@ -301,8 +312,9 @@ def _run_main(main: Any, kind: str, folder: str) -> Any:
     return main.run()
 
 
-def test_the_handed_model_trains_as_fsdp1(ranks: Any, tmp_path: Path) -> None:
-    _write_both(tmp_path, {str(tmp_path / "train_utils.py"): _TRAIN_UTILS, str(tmp_path / "main.py"): _MAIN})
+@pytest.mark.parametrize("caller", _CALLERS.values(), ids=list(_CALLERS))
+def test_the_handed_model_trains_as_fsdp1(ranks: Any, tmp_path: Path, caller: str) -> None:
+    _write_both(tmp_path, {str(tmp_path / "train_utils.py"): _TRAIN_UTILS, str(tmp_path / "main.py"): caller})
     for seen in ranks(_in_each, 2, str(tmp_path), "main", _run_main):
         (losses1, full1), (losses2, full2) = seen["fsdp1"], seen["fsdp2"]
         assert [loss for loss, _ in losses2] == pytest.approx([loss for loss, _ in losses1], rel=1e-5)
@@ -328,6 +340,29 @@ def test_a_function_not_always_handed_the_model_is_reported_not_followed(tmp_pat
     result = program.results[utils]
     assert '        norm = model.clip_grad_norm_(cfg["clip"])\n' in result.migrated
     assert any("clip_grad_norm_" in f.what for f in result.findings), [f.format(utils) for f in result.findings]
+
+
+_SOMETIMES = {
+    "the function also read as a value": ("import train_utils as utils\n",
+                                          "import train_utils as utils\nSAVE = utils.save\n"),
+    "another call hands it a plain module": ("    return losses, utils.save(model)\n",
+                                             "    return losses, utils.save(model)\n\n\ndef plain(net):\n"
+                                             "    return utils.save(net)\n"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("change", _SOMETIMES.values(), ids=list(_SOMETIMES))
+def test_a_state_dict_call_on_a_parameter_sometimes_handed_the_model_is_reported(tmp_path: Path, change: tuple) -> None:
+    """save() is not followed, since not every use of it is a call handing it the wrapped model: its
+    `model.state_dict()`, FSDP1's full dict for the trainer's call, is reported rather than left silently to give
+    each rank's shards under FSDP2 (train() is still followed: every call hands it the model)."""
+    utils, main = str(tmp_path / "train_utils.py"), str(tmp_path / "main.py")
+    program = migrate_program({utils: _TRAIN_UTILS, main: _MAIN_THROUGH_MODULE.replace(*change)})
+    result = program.results[utils]
+    assert "    return model.state_dict()  # FSDP1's default type" in result.migrated
+    assert "torch.nn.utils.clip_grad_norm_(model.parameters()" in result.migrated
+    (finding,) = result.findings
+    assert finding.what == "`model.state_dict(...)`" and "not every use of the function" in finding.why
 
 
 def test_a_caller_that_stays_fsdp1_keeps_the_function_fsdp1(tmp_path: Path) -> None:
