@@ -51,3 +51,9 @@ class FileFacts:
     # this file's module-level functions -> the parameters some calls, not all, give a wrapped model: their
     # state-dict calls are FSDP1's full dict for those calls and a plain module's for the others (reported)
     sometimes_wrapped_params: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # of `wrapped_params`, those some call hands a name wrapped on some runs only (maybe_wrapped.py): FSDP1's
+    # default-type state-dict calls on them keep their plain form for the other runs
+    maybe_plain_params: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # this file's module-level functions -> the parameters every call hands something other than a wrapped model:
+    # a name they share with a wrapped model of the file is not it there
+    plain_params: Mapping[str, frozenset[str]] = field(default_factory=dict)

@@ -18,9 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, ParentNodeProvider
+from libcst.metadata import Assignment, MetadataWrapper, ParentNodeProvider
 
+from .bindings import Bindings
 from .cross_file import Caller, CrossFile
+from .maybe_wrapped import before_wrapping, surely_wrapped
 from .policies import Shared
 from .returned_model import exported_names
 from .survey import Survey
@@ -35,26 +37,71 @@ class Handover:
     function: str
 
 
+Params = dict[str, dict[str, frozenset[str]]]  # path -> function -> parameters
+
+
 @dataclass(frozen=True)
 class Handed:
-    # path -> function -> its parameters every call hands a wrapped model
+    # path -> function -> its parameters every call hands a wrapped model (on some runs only, for those in
+    # `maybe_plain`)
     params: Mapping[str, Mapping[str, frozenset[str]]] = field(default_factory=dict)
     callers: frozenset[Caller] = frozenset()
     # the files some of whose functions are handed a wrapped model by some call but not followed: their FSDP1 calls
     # are looked at (and reported) even where the file names no FSDP
     receiving: frozenset[str] = frozenset()
     handovers: frozenset[Handover] = frozenset()
-    # path -> function -> the parameters some call, not every one, hands a wrapped model: their state-dict calls
-    # are reported (FSDP1's full dict there, a plain module's elsewhere)
+    # path -> function -> the parameters some call hands a wrapped model where the tool cannot tell what every use
+    # hands: their state-dict calls are reported
     sometimes: Mapping[str, Mapping[str, frozenset[str]]] = field(default_factory=dict)
+    # path -> function -> of `params`, those some call hands a name wrapped on some runs only, or a plain module
+    maybe_plain: Mapping[str, Mapping[str, frozenset[str]]] = field(default_factory=dict)
+    # path -> function -> the parameters every call hands something other than the wrapped model (the plain module
+    # ahead of its wrapping, None): a name they share with a wrapped model is not it there
+    plain: Mapping[str, Mapping[str, frozenset[str]]] = field(default_factory=dict)
 
 
-def _known(wrapper: MetadataWrapper, exported: Mapping[str, str], imported: frozenset[str]) -> frozenset[str]:
+@dataclass
+class _Decided:
+    wrapped: Params = field(default_factory=dict)
+    maybe_plain: Params = field(default_factory=dict)
+    plain: Params = field(default_factory=dict)
+    sometimes: Params = field(default_factory=dict)
+
+
+def _decide(path: str, function: str, kinds: Mapping[str, set[str]], followed: bool, decided: _Decided) -> None:
+    """Sorts a function's parameters by what its calls hand them; `followed`: every use of it is one of them."""
+    for param, seen in kinds.items():
+        handed = bool(seen & {WRAPPED, MAYBE})
+        if followed and seen == {PLAIN}:
+            where = decided.plain
+        elif followed and handed and UNKNOWN not in seen:
+            where = decided.wrapped
+            if seen != {WRAPPED}:
+                decided.maybe_plain.setdefault(path, {}).setdefault(function, frozenset())
+                decided.maybe_plain[path][function] |= {param}
+        elif handed:
+            where = decided.sometimes
+        else:
+            continue
+        where.setdefault(path, {}).setdefault(function, frozenset())
+        where[path][function] |= {param}
+
+
+@dataclass(frozen=True)
+class _Models:
+    """A file's names bound to a wrapped model, the statements binding them, and its bindings."""
+
+    names: frozenset[str]
+    wrapping: frozenset[cst.SimpleStatementLine]
+    bindings: Bindings
+
+
+def _known(wrapper: MetadataWrapper, exported: Mapping[str, str], imported: frozenset[str]) -> _Models:
     """The names a file binds to a wrapped model (survey.py, returned_model.py, cross_file.py)."""
     survey = Survey()
     wrapper.visit(survey)
     survey.follow_builders(wrapper.resolve(ParentNodeProvider), wrapper.module, exported)
-    return frozenset(survey.models | imported)
+    return _Models(frozenset(survey.models | imported), frozenset(survey.wrapping), Bindings(wrapper))
 
 
 def _calls(wrapper: MetadataWrapper, callee: str, definition: cst.Name | None) -> tuple[list[cst.Call], bool]:
@@ -97,26 +144,54 @@ def _calls(wrapper: MetadataWrapper, callee: str, definition: cst.Name | None) -
     return calls, found.ok
 
 
-def _handed(call: cst.Call, function: cst.FunctionDef, models: frozenset[str]) -> set[str]:
-    """The parameters of `function` that `call` gives one of `models`."""
+# What one call hands a parameter: the wrapped model, a name wrapped on some runs only (maybe_wrapped.py), a value
+# that is not the wrapped model, or something the text does not tell
+WRAPPED, MAYBE, PLAIN, UNKNOWN = "wrapped", "maybe", "plain", "unknown"
+
+
+def _kind(value: cst.BaseExpression, models: _Models) -> str:
+    if cst.Module([]).code_for_node(value) in models.names:
+        if not isinstance(value, cst.Name):
+            return WRAPPED
+        if before_wrapping(models.bindings, value, models.wrapping):
+            return PLAIN  # (open_lm's `load_model(args, model)` ahead of `model = FSDP(model)`)
+        return WRAPPED if surely_wrapped(models.bindings, value, models.wrapping) else MAYBE
+    if isinstance(value, (cst.BaseNumber, cst.BaseString)) or (isinstance(value, cst.Name) and value.value == "None"):
+        return PLAIN
+    if isinstance(value, cst.Name):  # a local bound by plain assignments only, none of them a wrapping
+        scope = models.bindings.scopes.get(value)
+        found = list(scope[value.value]) if scope is not None else []
+        statements = [
+            models.bindings.enclosing(a.node, cst.SimpleStatementLine) if isinstance(a, Assignment) else None
+            for a in found
+        ]
+        if found and all(s is not None and s not in models.wrapping for s in statements):
+            return PLAIN
+    return UNKNOWN
+
+
+def _given(call: cst.Call, function: cst.FunctionDef, models: _Models) -> dict[str, str]:
+    """What `call` hands each parameter of `function` (a parameter it leaves to its default: PLAIN); every one
+    UNKNOWN where it unpacks `*args` or `**kwargs`."""
     params = function.params
     positional = [p.name.value for p in (*params.posonly_params, *params.params)]
-    keywords = {p.name.value for p in (*params.params, *params.kwonly_params)}
+    keywords = [p.name.value for p in (*params.params, *params.kwonly_params)]
+    every = [*positional, *keywords]
     if any(a.star for a in call.args):
-        return set()
-    given: set[str] = set()
+        return dict.fromkeys(every, UNKNOWN)
+    given = dict.fromkeys(every, PLAIN)
     for index, arg in enumerate(call.args):
         name = arg.keyword.value if arg.keyword is not None else None
         if name is None:
             name = positional[index] if index < len(positional) else None
         elif name not in keywords:
             name = None
-        if name is not None and cst.Module([]).code_for_node(arg.value) in models:
-            given.add(name)
+        if name is not None:
+            given[name] = _kind(arg.value, models)
     return given
 
 
-def _handovers(path: str, wrapper: MetadataWrapper, shared: Shared, models: frozenset[str]) -> set[Handover]:
+def _handovers(path: str, wrapper: MetadataWrapper, shared: Shared, models: _Models) -> set[Handover]:
     """The calls of `path` that hand one of its wrapped models to a function of another program file, by the name it
     imports (`save(model)`) or through its module (`utils.save(model=model)`)."""
     functions = {local: (source, name) for source, name, local in shared.named_imports(path)}
@@ -132,7 +207,7 @@ def _handovers(path: str, wrapper: MetadataWrapper, shared: Shared, models: froz
                 target = (modules[func.value.value], func.attr.value)
             if target is None or target[0] == path:
                 return
-            if any(cst.Module([]).code_for_node(a.value) in models for a in node.args):
+            if any(cst.Module([]).code_for_node(a.value) in models.names for a in node.args):
                 found.add(Handover(path, *target))
 
     wrapper.module.visit(_Calls())
@@ -150,16 +225,15 @@ def follow_handed(
     """Each function of the program's files that other files import, with the parameters every call gives a
     wrapped model."""
     imports = {path: shared.named_imports(path) for path in wrappers}
-    known: dict[str, frozenset[str]] = {}
+    known: dict[str, _Models] = {}
 
-    def models(path: str) -> frozenset[str]:
+    def models(path: str) -> _Models:
         if path not in known:
             exported = {**exported_names(wrappers[path].module), **cross.read_elsewhere.get(path, {})}
             known[path] = _known(wrappers[path], exported, cross.models.get(path, frozenset()))
         return known[path]
 
-    params: dict[str, dict[str, frozenset[str]]] = {}
-    sometimes: dict[str, dict[str, frozenset[str]]] = {}
+    decided = _Decided()
     callers: set[Caller] = set()
     receiving: set[str] = set()
     mention = {path for path, source in sources.items() if "fsdp" in source.lower()}  # (only these wrap models)
@@ -169,7 +243,8 @@ def follow_handed(
     modules = {path: shared.imported_modules(path) for path in wrappers}
     for path, wrapper in wrappers.items():
         through = [(p, local) for p, found in modules.items() if p != path for local, m in found.items() if m == path]
-        if not any(p in mention for p, _, _ in _importing(path, imports)) and not any(p in mention for p, _ in through):
+        importing = {p for p, _, _ in _importing(path, imports)} | {p for p, _ in through}
+        if path not in mention and not importing & mention:
             continue
         listed = set(exported_names(wrapper.module)) | ({"*"} & shared.read_otherwise(path))
         defined = [s for s in wrapper.module.body if isinstance(s, cst.FunctionDef)]
@@ -178,23 +253,23 @@ def follow_handed(
             name = function.name.value
             importers = [(p, local) for p, n, local in _importing(path, imports) if n == name]
             importers += [(p, f"{local}.{name}") for p, local in through]  # `utils.save(model)`
-            if not importers or function.decorators or names.count(name) > 1 or name in listed or "*" in listed:
+            if function.decorators or names.count(name) > 1 or name in listed or "*" in listed:
                 continue
-            given: list[set[str]] = []  # what each call hands
+            kinds: dict[str, set[str]] = {}  # parameter -> what the calls hand it
             handing: set[str] = set()  # the files whose calls hand a wrapped model
             followed = True
             for caller, local in [*importers, (path, name)]:
                 calls, only_calls = _calls(wrappers[caller], local, function.name if caller == path else None)
                 followed = followed and only_calls
                 for call in calls:
-                    given.append(_handed(call, function, models(caller)))
-                    handing |= {caller} if given[-1] else set()
-            some = set().union(*given)
-            receiving |= {path} if some else set()
-            every = set.intersection(*given) if given and followed else set()
-            if every:
-                params.setdefault(path, {})[name] = frozenset(every)
+                    for param, kind in _given(call, function, models(caller)).items():
+                        kinds.setdefault(param, set()).add(kind)
+                        handing |= {caller} if kind in (WRAPPED, MAYBE) else set()
+            _decide(path, name, kinds, followed, decided)
+            receiving |= {path} if any(k & {WRAPPED, MAYBE} for k in kinds.values()) else set()
+            if path in decided.wrapped and name in decided.wrapped[path]:
                 callers |= {Caller(path, name, p, handed=True) for p in handing - {path}}
-            elif some:
-                sometimes.setdefault(path, {})[name] = frozenset(some)
-    return Handed(params, frozenset(callers), frozenset(receiving), frozenset(handovers), sometimes)
+    return Handed(
+        decided.wrapped, frozenset(callers), frozenset(receiving), frozenset(handovers), decided.sometimes,
+        decided.maybe_plain, decided.plain,
+    )  # fmt: skip

@@ -10,13 +10,15 @@ FSDP1 gives its current state-dict type: its default, FULL on every rank, unless
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
 
 import libcst as cst
-from libcst.metadata import Assignment, CodePosition, ParentNodeProvider, PositionProvider
+from libcst.metadata import ParentNodeProvider
 
 from . import apply_call
-from .construction import RUNTIME
+from .construction import FSDP2, RUNTIME
+from .maybe_wrapped import FSDP_MODULE, before_wrapping, guarded, surely_wrapped
 from .names import attribute_chain as _chain
 
 if TYPE_CHECKING:
@@ -92,17 +94,23 @@ def function_models(t: Fsdp1ToFsdp2, node: cst.CSTNode) -> frozenset[str]:
     return cache[function]
 
 
-def sometimes_handed(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> bool:
-    """Whether `receiver` is a parameter of the module-level function holding `node` that some calls in the program,
-    not all, hand a wrapped model (handed_models.py), and that the function does not rebind."""
+def _parameter(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode, table: Mapping[str, frozenset[str]]) -> bool:
+    """Whether `receiver` is one of the parameters `table` gives the module-level function holding `node`, which
+    the function does not rebind (handed_models.py's findings about its calls)."""
     function = t.resume.bindings.enclosing(node, cst.FunctionDef)
     if function is None or t.resume.bindings.parents.get(function) is not t.module:
         return False
-    if receiver not in t.facts.sometimes_wrapped_params.get(function.name.value, frozenset()):
+    if receiver not in table.get(function.name.value, frozenset()):
         return False
     found = _Blocks(t)
     function.body.visit(found)
     return receiver not in found.bound
+
+
+def sometimes_handed(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> bool:
+    """Whether `receiver` is a parameter some calls in the program hand a wrapped model, where the tool cannot tell
+    what every use of the function hands it."""
+    return _parameter(t, receiver, node, t.facts.sometimes_wrapped_params)
 
 
 def _setters(t: Fsdp1ToFsdp2) -> bool:
@@ -110,32 +118,17 @@ def _setters(t: Fsdp1ToFsdp2) -> bool:
     return t.facts.state_dict_setters or bool(t.set_types.setters)
 
 
-def _start(t: Fsdp1ToFsdp2, node: cst.CSTNode) -> tuple[int, int]:
-    start: CodePosition = t.get_metadata(PositionProvider, node).start
-    return start.line, start.column
-
-
 def before_its_wrapping(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression) -> bool:
-    """Whether `receiver`, a name, is read before the statement of its scope that binds it to the wrapped model
-    (`model.load_state_dict(sd)` ahead of `model = FSDP(model)` or `model = build(model)`), where no earlier binding
-    of the scope wrapped it: the module the program is about to wrap, whose calls stay as written. A loop around
-    both reads it again after the wrapping: not before it."""
-    names = t.resume.bindings
-    scope = names.scopes.get(receiver) if isinstance(receiver, cst.Name) else None
-    if scope is None or not isinstance(receiver, cst.Name):
-        return False
-    at = _start(t, receiver)
-    bindings = sorted(
-        ((_start(t, a.node), statement)
-         for a in scope[receiver.value]
-         if isinstance(a, Assignment) and (statement := names.enclosing(a.node, cst.SimpleStatementLine)) is not None),
-        key=lambda pair: pair[0],
-    )  # fmt: skip
-    before = [statement for start, statement in bindings if start < at]
-    after = [statement for start, statement in bindings if start > at]
-    if not after or after[0] not in t.survey.wrapping or (before and before[-1] in t.survey.wrapping):
-        return False
-    return not names.in_loop_around(receiver, after[0])
+    """Whether `receiver`, a name, is read before the statement of its scope that wraps it (maybe_wrapped.py)."""
+    return isinstance(receiver, cst.Name) and before_wrapping(t.resume.bindings, receiver, t.survey.wrapping)
+
+
+def maybe_plain(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression, node: cst.CSTNode) -> bool:
+    """Whether the model `receiver` holds at `node` may be another module on some runs (maybe_wrapped.py): a name
+    whose wrapping does not run before every read, or a parameter some call hands such a name or a plain module."""
+    if isinstance(receiver, cst.Name) and not surely_wrapped(t.resume.bindings, receiver, t.survey.wrapping):
+        return True
+    return _parameter(t, t.code(receiver), node, t.facts.maybe_plain_params)
 
 
 def _classes_wrapping(t: Fsdp1ToFsdp2, model: str) -> set[str]:
@@ -193,6 +186,8 @@ def known(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> str | None:
     read = node.func if isinstance(node, cst.Call) else node  # `model.method` / `model.attribute`
     if isinstance(read, cst.Attribute) and before_its_wrapping(t, read.value):
         return None
+    if _parameter(t, model.partition(".")[0], node, t.facts.plain_params):
+        return None  # every call hands it something else (the plain module ahead of its wrapping)
     relation, derived = _relation(t, model, node)
     if relation == "other":
         return None
@@ -300,9 +295,22 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseE
     options = t._options(model or receiver, original)
     if options is None:
         return None  # under a state-dict type left to a person (reported)
+    default = all(m != (model or receiver) for m, _ in t.blocks) and original not in t.set_types.governed
+    if default and maybe_plain(t, func.value, original):  # (FSDP1's type is the wrapped model's alone)
+        t.need(FSDP2, FSDP_MODULE)
+        fsdp2 = _fsdp2_state_dict_call(t, method, receiver, args, original, updated, options)
+        return None if fsdp2 is None else t.expr(guarded(receiver, fsdp2, t.module.code_for_node(updated)))
+    fsdp2 = _fsdp2_state_dict_call(t, method, receiver, args, original, updated, options)
+    return None if fsdp2 is None else t.expr(fsdp2)
+
+
+def _fsdp2_state_dict_call(
+    t: Fsdp1ToFsdp2, method: str, receiver: str, args: list[str], original: cst.Call, updated: cst.Call, options: str
+) -> str | None:
+    """`model.state_dict()` / `model.load_state_dict(sd[, strict=...])` as get_/set_model_state_dict's code."""
     if method == "state_dict" and not args:
         t._need_helpers("get_model_state_dict")
-        return t.expr(f"get_model_state_dict({receiver}, options={options})")
+        return f"get_model_state_dict({receiver}, options={options})"
     positional = [a for a in original.args if not a.keyword]
     keywords = {a.keyword.value: i for i, a in enumerate(original.args) if a.keyword}
     loads = len(positional) == 1 and not original.args[0].keyword and set(keywords) <= {"strict"}
@@ -313,5 +321,5 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseE
                 return None
             options = with_strict
         t._need_helpers("set_model_state_dict")
-        return t.expr(f"set_model_state_dict({receiver}, {args[0]}, options={options})")
+        return f"set_model_state_dict({receiver}, {args[0]}, options={options})"
     return None

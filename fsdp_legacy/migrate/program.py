@@ -89,6 +89,8 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
                 handed.params.get(path, {}),
                 path in handed.receiving,
                 handed.sometimes.get(path, {}),
+                handed.maybe_plain.get(path, {}),
+                handed.plain.get(path, {}),
             )
             if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
                 result = last[path][1]

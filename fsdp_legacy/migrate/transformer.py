@@ -28,6 +28,7 @@ from . import (
 from .construction import FSDP2, NOTE, RUNTIME, STATE_DICT_HELPERS
 from .facts import FileFacts
 from .manual_wrap import ManualWrap
+from .maybe_wrapped import FSDP_MODULE, guarded
 from .methods import attribute as _fsdp1_attribute
 from .methods import rewrite as _method
 from .names import FSDP1_MAPPED_KWARGS, advice, fsdp1_name
@@ -457,6 +458,10 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         _fsdp1_attribute(self, original)
         if original.attr.value == "module" and self.code(original.value) in self.survey.models:
             self.consumed.add(original)
+            if methods.maybe_plain(self, original.value, original):  # (DDP's wrapped module on the other runs)
+                self.need(FSDP2, FSDP_MODULE)
+                code = self.code(updated.value)
+                return self.expr(guarded(code, code, self.module.code_for_node(updated)))
             return updated.value
         no_sync = methods.no_sync_value(self, original, updated)
         if no_sync is not None:

@@ -1,0 +1,86 @@
+"""A name that holds the wrapped model on some runs only. open_lm wraps with `model = FSDP(model, ...)` under
+`if args.fsdp:` and `model = DDP(model)` under its `else:`; llama-recipes keeps the plain module beside its FSDP
+branch. After the branches, FSDP1's `model.state_dict()` is its state-dict type's dict (FULL by default) on one run
+and the DDP wrapper's (keys under `module.`) or the plain module's on the other, and `model.module` is the module
+inside either wrapper. The migration keeps both: FSDP2's form where the model is an FSDPModule at run time, the call
+as written elsewhere. A read ahead of the statement that wraps the name (open_lm's `load_model(args, model)` before
+`model = FSDP(model)`) is the plain module's: not the wrapped model at all."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import libcst as cst
+from libcst.metadata import Assignment
+
+from .bindings import Bindings
+
+FSDP_MODULE = "FSDPModule"  # what `isinstance(model, ...)` asks at run time (torch.distributed.fsdp's)
+
+
+def _assignments(bindings: Bindings, read: cst.Name) -> list[tuple[Assignment, cst.SimpleStatementLine | None]]:
+    scope = bindings.scopes.get(read)
+    found = [a for a in (scope[read.value] if scope is not None else ()) if isinstance(a, Assignment)]
+    return [(a, bindings.enclosing(a.node, cst.SimpleStatementLine)) for a in found]
+
+
+def _order(bindings: Bindings, node: cst.CSTNode) -> tuple[int, int]:
+    start = bindings.positions[node].start
+    return start.line, start.column
+
+
+def _runs_before(bindings: Bindings, statement: cst.SimpleStatementLine, read: cst.CSTNode) -> bool:
+    """Whether `statement`, earlier in the text, runs whenever `read` does: it is one of the statements of a block
+    holding `read` in the same function (early exits aside, which only skip `read`)."""
+    block = bindings.parents.get(statement)
+    current: cst.CSTNode | None = bindings.parents.get(read)
+    while current is not None:
+        if current is block:
+            return True
+        if isinstance(current, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            return False
+        current = bindings.parents.get(current)
+    return False
+
+
+def before_wrapping(bindings: Bindings, read: cst.Name, wrapping: Collection[cst.SimpleStatementLine]) -> bool:
+    """Whether `read` comes before the statement of its scope that binds the name to the wrapped model (`model =
+    FSDP(model)`, `model = build(model)`), where no earlier binding of the scope wrapped it: the module the program is
+    about to wrap. A loop around both reads it again after the wrapping: not before it."""
+    at = _order(bindings, read)
+    bound = sorted(
+        ((_order(bindings, a.node), statement) for a, statement in _assignments(bindings, read) if statement),
+        key=lambda pair: pair[0],
+    )
+    before = [statement for start, statement in bound if start < at]
+    after = [statement for start, statement in bound if start > at]
+    if not after or after[0] not in wrapping or (before and before[-1] in wrapping):
+        return False
+    return not bindings.in_loop_around(read, after[0])
+
+
+def surely_wrapped(bindings: Bindings, read: cst.Name, wrapping: Collection[cst.SimpleStatementLine]) -> bool:
+    """Whether the name at `read` holds the wrapped model on every run reaching it: a statement of its scope that
+    wraps it runs before `read` whenever `read` runs, and no binding of the name to anything else comes between. A
+    name its scope never wraps (a global, a parameter, an attribute) is not this module's to doubt: True."""
+    bound = _assignments(bindings, read)
+    if not any(statement in wrapping for _, statement in bound):
+        return True
+    at = _order(bindings, read)
+    ahead = [
+        (_order(bindings, a.node), statement)
+        for a, statement in bound
+        if statement is not None
+        and statement in wrapping
+        and _order(bindings, a.node) < at
+        and _runs_before(bindings, statement, read)
+    ]
+    if not ahead:
+        return False
+    last = max(start for start, _ in ahead)
+    return all(statement in wrapping for a, statement in bound if last < _order(bindings, a.node) < at)
+
+
+def guarded(model: str, fsdp2: str, as_written: str) -> str:
+    """FSDP2's form where `model` is an FSDPModule at run time, the code as written elsewhere."""
+    return f"({fsdp2} if isinstance({model}, {FSDP_MODULE}) else {as_written})"

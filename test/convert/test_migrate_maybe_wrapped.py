@@ -1,0 +1,124 @@
+"""`fsdp-legacy migrate` on a program that wraps its model with FSDP on some runs and with DDP on the others, written
+in open_lm's style: `model = FSDP(model, ...)` under `if args.fsdp:`, `model = DDP(model)` under its `else:`, a
+`load_model(args, model)` ahead of the wrapping, and a `save_checkpoint(args, model, ...)` whose FULL block runs
+under the flag while its `model.state_dict()` outside it serves the DDP runs. Before, that call became
+`get_model_state_dict(model, ...)`, which on DDP's runs saved the keys without DDP's `module.` (a checkpoint unlike
+the original's, silently), and the plain module's load ahead of the wrapping became `set_model_state_dict`. The
+oracle is the original program (torch's FSDP1, and DDP) run beside the migrated one at 2 ranks, both ways: the same
+losses and checkpoints, and each program resuming from the original's checkpoint."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("libcst")
+
+from fsdp_legacy.migrate.program import migrate_program
+
+_PROGRAM = """
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType, FullStateDictConfig
+
+
+def load_model(args, model):
+    sd = torch.load(args.resume, weights_only=True)["state_dict"]
+    if next(iter(sd)).startswith("module."):
+        sd = {k[len("module.") :]: v for k, v in sd.items()}
+    model.load_state_dict(sd)
+
+
+def save_checkpoint(args, model, path):
+    cpu_state = None
+    if args.fsdp:
+        # (offload_to_cpu=False: torch's FSDP1 fails to offload on a CPU device, ../shared/FSDP1_FACTS.md)
+        policy = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, policy):
+            cpu_state = model.state_dict()
+    checkpoint = {"state_dict": cpu_state if args.fsdp else model.state_dict()}
+    if dist.get_rank() == 0:
+        torch.save(checkpoint, path)
+    dist.barrier()
+    return checkpoint
+
+
+def main(args):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    if args.resume is not None:
+        load_model(args, model)
+    if args.fsdp:
+        model = FSDP(model, device_id=torch.device("cpu"))
+    else:
+        model = DDP(model)
+    width = model.module[0].in_features
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(2):
+        data = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        loss = nn.functional.mse_loss(model(torch.randn(4, width, generator=data)), torch.zeros(4, 1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, save_checkpoint(args, model, args.path)
+"""
+
+
+def _migrated() -> str:
+    result = migrate_program({"main.py": _PROGRAM}).results["main.py"]
+    assert result.findings == [], [f.format("main.py") for f in result.findings]
+    return result.migrated
+
+
+def test_the_calls_that_serve_both_wrappers_keep_both_forms() -> None:
+    out = _migrated()
+    assert "    model.load_state_dict(sd)\n" in out  # (the plain module, ahead of its wrapping)
+    guarded = (
+        "cpu_state if args.fsdp else (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) "
+        "if isinstance(model, FSDPModule) else model.state_dict())"
+    )
+    assert guarded in out
+    full = "cpu_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))"
+    assert full in out  # (inside the flag's branch: FSDP's alone)
+    assert "width = (model if isinstance(model, FSDPModule) else model.module)[0].in_features" in out
+    assert "        model = DDP(model)\n" in out and "        fully_shard(model)\n" in out
+    again = migrate_program({"main.py": out}).results["main.py"]
+    assert (again.migrated, again.findings) == (out, [])
+
+
+def _both_ways(original: str, migrated: str, folder: str) -> dict[tuple[str, bool, bool], Any]:
+    seen = {}
+    for kind, source in (("fsdp1", original), ("fsdp2", migrated)):
+        namespace: dict[str, Any] = {}
+        exec(compile(source, f"{kind}.py", "exec"), namespace)
+        for fsdp in (True, False):
+            for resume in (False, True):
+                first = f"{folder}/fsdp1-{fsdp}-False.pt"  # (each program resumes from the original's checkpoint)
+                path = f"{folder}/{kind}-{fsdp}-{resume}.pt"
+                args = types.SimpleNamespace(fsdp=fsdp, resume=first if resume else None, path=path)
+                seen[kind, fsdp, resume] = namespace["main"](args)
+    return seen
+
+
+def test_both_wrappers_train_save_and_resume_as_the_original(ranks: Any, tmp_path: Path) -> None:
+    for rank, seen in enumerate(ranks(_both_ways, 2, _PROGRAM, _migrated(), str(tmp_path))):
+        for fsdp in (True, False):
+            for resume in (False, True):
+                (losses1, saved1), (losses2, saved2) = seen["fsdp1", fsdp, resume], seen["fsdp2", fsdp, resume]
+                assert losses2 == pytest.approx(losses1, rel=1e-5)
+                model1, model2 = saved1["state_dict"], saved2["state_dict"]
+                assert model1.keys() == model2.keys()
+                assert all(torch.allclose(model1[k], model2[k], rtol=1e-5, atol=1e-7) for k in model1)
+                if not fsdp:  # DDP's own dict on every rank, its keys under `module.` as the original saved them
+                    assert model1 and all(k.startswith("module.") for k in model1)
+                else:
+                    assert bool(model1) == (rank == 0)
+            assert seen["fsdp2", fsdp, True][0] != seen["fsdp2", fsdp, False][0]  # (it did resume)
