@@ -245,7 +245,7 @@ def _with_strict(options: str, strict: str) -> str | None:
 
 def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseExpression | None:
     """A method call on the wrapped model as FSDP2's; None where it stays as it is (reported where it must)."""
-    from . import optim_state
+    from . import optim_loads, optim_state
 
     func = original.func
     assert isinstance(func, cst.Attribute)
@@ -255,7 +255,7 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseE
     if method == "load_state_dict" and len(original.args) == 1:
         inner = original.args[0].value
         if isinstance(inner, cst.Call) and optim_state.api_of(t.fsdp1(inner.func)) in optim_state.LOADS:
-            return t._optim_load(inner, receiver)
+            return optim_loads.optim_load(t, inner, receiver)
     if method == "apply" and isinstance(func.value, cst.Attribute) and func.value.attr.value == "module":
         if t.code(func.value.value) in t.survey.models:  # FSDP1's wrapped module: left as written
             return t._apply(original, apply_call.on_wrapped_module(receiver), updated.with_changes(func=func))

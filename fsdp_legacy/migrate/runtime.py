@@ -10,9 +10,9 @@ dtype (not the mixed-precision one `FSDPModule.unshard()` gives), are put on the
 `fsdp1_options` turns FSDP(...)'s keyword values known only at run time (a computed strategy, precision or offload)
 into apply_fully_shard's, `fully_shard_fsdp1` is `FSDP(module, **kwargs)` all mapped at run time (for
 `partial(FSDP, ...)`), and `hybrid_mesh` FSDP1's HYBRID_SHARD pair of process groups into FSDP2's 2-D mesh
-(keywords_runtime.py); `unshared_optim_state` and
-`rekey_optim_state_dict` carry FSDP1's optimizer state dicts over (optim_runtime.py); `full_state_dict_options` and
-`sharded_state_dict_options` build FSDP1's state-dict configs as StateDictOptions at run time (options_runtime.py).
+(keywords_runtime.py); `unshared_optim_state`, `rekey_optim_state_dict` and `loaded_optim_state_dict` carry FSDP1's
+optimizer state dicts over (optim_runtime.py); `full_state_dict_options` and `sharded_state_dict_options` build
+FSDP1's state-dict configs as StateDictOptions at run time (options_runtime.py).
 `without_gradient_sync(model)` is FSDP1's `model.no_sync()` where the context is a value, entered later."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..wrap import LegacyPolicy, _Policy, auto_wrap
 from .keywords_runtime import fsdp1_options, hybrid_mesh
 from .names import FSDP1_DROPPED_KWARGS
-from .optim_runtime import rekey_optim_state_dict, unshared_optim_state
+from .optim_runtime import loaded_optim_state_dict, rekey_optim_state_dict, unshared_optim_state
 from .options_runtime import full_state_dict_options, sharded_state_dict_options, state_dict_type_options
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "fully_shard_fsdp1",
     "full_state_dict_options",
     "hybrid_mesh",
+    "loaded_optim_state_dict",
     "rekey_optim_state_dict",
     "sharded_state_dict_options",
     "state_dict_type_options",

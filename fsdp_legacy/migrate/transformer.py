@@ -5,7 +5,6 @@ torch.distributed.checkpoint.state_dict's helpers."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, cast
 
 import libcst as cst
@@ -14,10 +13,12 @@ from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
 from . import (
+    annotated,
     apply_call,
     configs,
     construction,
     methods,
+    optim_loads,
     optim_state,
     partials,
     precision,
@@ -33,7 +34,7 @@ from .methods import attribute as _fsdp1_attribute
 from .methods import rewrite as _method
 from .names import FSDP1_MAPPED_KWARGS, advice, fsdp1_name
 from .removal import bare as _bare
-from .reorder import Placed, bound_names, names_in, reorder
+from .reorder import Placed, reorder
 from .report import Finding
 from .sharded_resume import LOADER, ShardedResume
 from .state_dict_type import BLOCK, SetTypes, TypeOptions
@@ -43,17 +44,6 @@ from .unwrap import with_leading as _with_leading
 
 _FSDP = "FullyShardedDataParallel"
 _FULL = "StateDictOptions(full_state_dict=True)"  # FSDP1's default state-dict type: FULL, on every rank
-
-
-@dataclass(frozen=True)
-class _PendingLoad:
-    """`name = FSDP.<to-load API>(...)`, waiting in its block for the `optim.load_state_dict(name)` it feeds."""
-
-    name: str
-    call: cst.Call
-    loading: optim_state.Load
-    options: str
-    names: set[str]  # the names its arguments use
 
 
 class Fsdp1ToFsdp2(cst.CSTTransformer):
@@ -94,7 +84,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.kept_blocks: set[cst.With] = set()
         self.unwrap: dict[cst.With, str] = {}  # with-statements to replace by their body: "state_dict", no_sync's model
         self.removed: set[str] = set()  # code of dead policy assignments, taken out by a second pass
-        self.load_defs: dict[int, _PendingLoad] = {}  # id(statement) -> the to-load call it assigns
+        self.load_defs: dict[int, optim_loads.PendingLoad] = {}  # id(statement) -> the to-load call it assigns
         # id(`optim.load_state_dict(name)`) -> (optim, name, the call as read)
         self.load_uses: dict[int, tuple[str, str, cst.Call]] = {}
         self.dropped: dict[int, list[str]] = {}  # id(statement) -> the comments left where it is taken out
@@ -161,7 +151,9 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             if self.fsdp1(call.func) == _FSDP and call not in self.survey.builders.refused:  # (returned_model.py)
                 return self._construction(original, updated, self.code(target), call)
             if optim_state.api_of(self.fsdp1(call.func)) in optim_state.LOADS and isinstance(target, cst.Name):
-                self._load_def(original, updated, target.value, call)
+                at_once = optim_loads.load_def(self, original, updated, target.value, call)
+                if at_once is not None:
+                    return at_once
         if (returning := self.survey.builders.returning(small)) is not None:  # callers name it (returned_model.py)
             return self._construction(original, updated, *returning)
         if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
@@ -184,31 +176,6 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.need(RUNTIME, config.helper)
         call = cast(cst.Call, assign.value).with_changes(func=cst.Name(config.helper))
         return updated.with_changes(body=[assign.with_changes(value=call)])
-
-    def _load_def(
-        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, name: str, call: cst.Call
-    ) -> None:
-        """Note `name = FSDP.<to-load API>(...)`; the block pairs it with its load_state_dict (_pair_loads)."""
-        api = cast(str, optim_state.api_of(self.fsdp1(call.func)))
-        loading = optim_state.load(api, call, self.code)
-        if isinstance(loading, optim_state.Refusal):
-            self.report(call, loading.what, loading.why, loading.fix)
-            return
-        options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
-        if options is None:
-            return  # the model's state-dict type is left to a person (reported)
-        options = self.resume.options(call, options)
-        uses = self.resume.bindings.count_in_scope(name, original)
-        if uses != 2:  # the assignment and the load
-            why = (
-                f"`{name}` is never used"
-                if uses < 2
-                else f"`{name}` is used elsewhere too, where only `optimizer.load_state_dict({name})` has an FSDP2 form"
-            )
-            self.report(call, f"`{name} = FSDP.{api}(...)`", why, optim_state.Refusal("", "").fix)
-            return
-        names = set().union(*(names_in(a.value) for a in call.args))
-        self.load_defs[self._key(updated)] = _PendingLoad(name, call, loading, options, names)
 
     def _carried(self, old: cst.BaseStatement, new: cst.BaseStatement) -> cst.BaseStatement:
         """`new` in place of `old` (a block's first statement given the block's comments), with what is noted of it:
@@ -301,7 +268,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def _block(self, body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
         """A block's statements once its own have been rewritten: to-load calls paired with their loads, statements
         taken out (their comments kept), and the moves around constructions made."""
-        self._pair_loads(body)
+        optim_loads.pair_loads(self, body)
         body = [new for statement in body for new in self._resumed(statement)]
         kept: list[cst.BaseStatement] = []
         carried: list[cst.EmptyLine] = []
@@ -327,43 +294,6 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.need("torch.distributed.checkpoint")
         RemoveImportsVisitor.remove_unused_import(self.context, self.resume.plans[original].module, LOADER)
         return [_with_leading(new[0], cast(cst.SimpleStatementLine, statement).leading_lines), *new[1:]]
-
-    def _pair_loads(self, body: list[cst.BaseStatement]) -> None:
-        """`name = FSDP.<to-load API>(...)` and, later in the block, `optim.load_state_dict(name)` become one
-        set_optimizer_state_dict where the load was (the names the call reads not rebound in between)."""
-        for index, statement in enumerate(body):
-            pending = self.load_defs.pop(id(statement), None)
-            if pending is None:
-                continue
-            for later in range(index + 1, len(body)):
-                use = self.load_uses.get(id(body[later]))
-                if use is not None and use[1] == pending.name:
-                    if self._pair(pending, use[0], body, index, later):
-                        self.consumed.add(use[2])
-                    break
-                if pending.names & bound_names(body[later]):
-                    break
-            if pending.call not in self.consumed:
-                why = (
-                    f"`{pending.name}` is not loaded by `optimizer.load_state_dict({pending.name})` later in its block"
-                )
-                what = f"`{pending.name} = FSDP.{pending.loading.api}(...)`"
-                self.report(pending.call, what, why, optim_state.Refusal("", "").fix)
-
-    def _pair(self, pending: _PendingLoad, optimizer: str, body: list[cst.BaseStatement], at: int, load: int) -> bool:
-        refused = self.resume.check(pending.call, pending.options)
-        code = refused or optim_state.load_code(pending.loading, optimizer, pending.options)
-        if isinstance(code, optim_state.Refusal):
-            self.report(pending.call, code.what, code.why, code.fix)
-            return False
-        self.resume.loaded(pending.call, pending.loading.model, optimizer, pending.options)
-        self._need_load(code)
-        old = cast(cst.SimpleStatementLine, body[load])
-        new = cast(cst.SimpleStatementLine, cst.parse_statement(code + "\n"))
-        body[load] = new.with_changes(leading_lines=old.leading_lines, trailing_whitespace=old.trailing_whitespace)
-        self.dropped[self._key(body[at])] = []
-        self.consumed.add(pending.call)
-        return True
 
     # -- with-blocks: state_dict_type, no_sync and summon_full_params ---------------------------------------------
 
@@ -443,15 +373,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     # -- calls ---------------------------------------------------------------------------------------------------
 
     def leave_Annotation(self, original: cst.Annotation, updated: cst.Annotation) -> cst.Annotation:
-        """FSDP1's class in an annotation (`def setup_fsdp_sync(model) -> FSDP:`, `Optional[FSDP]`) is FSDP2's
-        FSDPModule, which every fully_shard module is (evaluated where the function is defined: the name must be)."""
-        found = _FsdpNames(self)
-        original.visit(found)
-        if not found.codes:
-            return updated
-        self.consumed.update(found.nodes)
-        self.need(FSDP2, "FSDPModule")
-        return cast(cst.Annotation, updated.visit(_Renamed(found.codes, "FSDPModule")))
+        return annotated.annotation(self, original, updated)
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
         """`model.module`, FSDP1's wrapped module, is the model itself under FSDP2."""
@@ -509,7 +431,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         elif name == "CPUOffload" and "cpu_offload" in self._at_run_time:
             self.consumed.add(original)  # FSDP1's (not a literal), for fsdp1_options to read at run time
         elif optim_state.api_of(name) is not None:
-            rewritten = self._optim_call(cast(str, optim_state.api_of(name)), original)
+            rewritten = optim_loads.optim_call(self, cast(str, optim_state.api_of(name)), original)
         elif name == apply_call.API:
             rewritten = self._apply(original, apply_call.unbound(updated))
         elif original in self.wraps.calls:  # wrap(module, ...) inside enable_wrap
@@ -585,87 +507,6 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.need(RUNTIME, apply_call.HELPER)
         return mapped
 
-    def _optim_call(self, api: str, call: cst.Call) -> cst.BaseExpression | None:
-        """An optimizer-state call in an expression (optim_state.py): a save or a re-keying; the to-load calls are
-        rewritten with the load_state_dict call that takes their result."""
-        if api in optim_state.LOADS:
-            return None
-        if api == optim_state.REKEY:
-            code = optim_state.rekey(call, self.code, self.fsdp1)
-            if not isinstance(code, optim_state.Refusal):
-                self.need(RUNTIME, "rekey_optim_state_dict")
-        else:
-            model = self.code(call.args[0].value) if call.args and not call.args[0].keyword else ""
-            options = self._options(model, call, optim=True) if api == "optim_state_dict" else _FULL
-            if options is None:
-                return None
-            code = optim_state.save(api, call, self.code, options)
-            if not isinstance(code, optim_state.Refusal):
-                self._need_helpers("get_optimizer_state_dict")
-        if isinstance(code, optim_state.Refusal):
-            self.report(call, code.what, code.why, code.fix)
-            return None
-        return self.expr(code)
-
-    def _optim_load(self, call: cst.Call, optimizer: str) -> cst.BaseExpression | None:
-        """`optimizer.load_state_dict(FSDP.<to-load API>(...))` as set_optimizer_state_dict, which loads."""
-        api = cast(str, optim_state.api_of(self.fsdp1(call.func)))
-        loading = optim_state.load(api, call, self.code)
-        code: str | optim_state.Refusal = loading if isinstance(loading, optim_state.Refusal) else ""
-        if isinstance(loading, optim_state.Load):
-            options = optim_state.load_options(api) or self._options(loading.model, call, optim=True)
-            if options is None:
-                return None  # the model's state-dict type is left to a person (reported)
-            options = self.resume.options(call, options)
-            code = self.resume.check(call, options) or optim_state.load_code(loading, optimizer, options)
-        if isinstance(code, optim_state.Refusal):
-            self.report(call, code.what, code.why, code.fix)
-            return None
-        self.resume.loaded(call, cast(optim_state.Load, loading).model, optimizer, cast(str, options))
-        self.consumed.add(call)
-        self._need_load(code)
-        return self.expr(code)
-
-    def _need_load(self, code: str) -> None:
-        self._need_helpers("set_optimizer_state_dict")
-        if "unshared_optim_state(" in code:
-            self.need(RUNTIME, "unshared_optim_state")
-
     def _need_helpers(self, *names: str) -> None:
         for name in (*names, "StateDictOptions"):
             self.need(STATE_DICT_HELPERS, name)
-
-
-class _FsdpNames(cst.CSTVisitor):
-    """The names of FSDP1's class under a node of the file as read (their code, and the nodes)."""
-
-    def __init__(self, t: Fsdp1ToFsdp2) -> None:
-        super().__init__()
-        self.t, self.codes, self.nodes = t, set[str](), list[cst.CSTNode]()
-
-    def _see(self, node: cst.Name | cst.Attribute) -> bool:
-        if self.t.fsdp1(node) == _FSDP:
-            self.codes.add(self.t.code(node))
-            self.nodes.append(node)
-            return False
-        return True
-
-    def visit_Name(self, node: cst.Name) -> bool:
-        return self._see(node)
-
-    def visit_Attribute(self, node: cst.Attribute) -> bool:
-        return self._see(node)
-
-
-class _Renamed(cst.CSTTransformer):
-    """Each Name or Attribute whose code is one of `codes` as `name`."""
-
-    def __init__(self, codes: set[str], name: str) -> None:
-        super().__init__()
-        self.codes, self.name = codes, name
-
-    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
-        return cst.Name(self.name) if original.value in self.codes else updated
-
-    def leave_Attribute(self, original: cst.Attribute, updated: cst.BaseExpression) -> cst.BaseExpression:
-        return cst.Name(self.name) if cst.Module([]).code_for_node(original) in self.codes else updated

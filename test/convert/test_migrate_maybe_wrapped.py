@@ -1,11 +1,14 @@
 """`fsdp-legacy migrate` on a program that wraps its model with FSDP on some runs and with DDP on the others, written
 in open_lm's style: `model = FSDP(model, ...)` under `if args.fsdp:`, `model = DDP(model)` under its `else:`, a
-`load_model(args, model)` ahead of the wrapping, and a `save_checkpoint(args, model, ...)` whose FULL block runs
-under the flag while its `model.state_dict()` outside it serves the DDP runs. Before, that call became
-`get_model_state_dict(model, ...)`, which on DDP's runs saved the keys without DDP's `module.` (a checkpoint unlike
-the original's, silently), and the plain module's load ahead of the wrapping became `set_model_state_dict`. The
-oracle is the original program (torch's FSDP1, and DDP) run beside the migrated one at 2 ranks, both ways: the same
-losses and checkpoints, and each program resuming from the original's checkpoint."""
+`load_model(args, model)` ahead of the wrapping, a `save_checkpoint(args, model, ...)` whose FULL block runs under
+the flag while its `model.state_dict()` outside it serves the DDP runs, and a `load_optimizer` that converts the
+optimizer state under the flag (`osd = FSDP.optim_state_dict_to_load(...)`) and loads either form after it.
+
+Before, the `model.state_dict()` became `get_model_state_dict(model, ...)`, which on DDP's runs saved the keys
+without DDP's `module.` (a checkpoint unlike the original's, silently); the plain module's load ahead of the
+wrapping became `set_model_state_dict`; the optimizer's conversion was reported. The oracle is the original program
+(torch's FSDP1, and DDP) run beside the migrated one at 2 ranks, both ways: the same losses and checkpoints, and
+each program resuming from the original's checkpoint."""
 
 from __future__ import annotations
 
@@ -35,14 +38,25 @@ def load_model(args, model):
     model.load_state_dict(sd)
 
 
-def save_checkpoint(args, model, path):
-    cpu_state = None
+def load_optimizer(args, model, optimizer):
+    osd = torch.load(args.resume, weights_only=True)["optimizer"]
+    if args.fsdp:
+        osd = FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=osd)
+    optimizer.load_state_dict(osd)
+
+
+def save_checkpoint(args, model, optimizer, path):
+    cpu_state, optim_state = None, None
     if args.fsdp:
         # (offload_to_cpu=False: torch's FSDP1 fails to offload on a CPU device, ../shared/FSDP1_FACTS.md)
         policy = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, policy):
             cpu_state = model.state_dict()
-    checkpoint = {"state_dict": cpu_state if args.fsdp else model.state_dict()}
+            optim_state = FSDP.optim_state_dict(model, optimizer)
+    checkpoint = {
+        "state_dict": cpu_state if args.fsdp else model.state_dict(),
+        "optimizer": optim_state if args.fsdp else optimizer.state_dict(),
+    }
     if dist.get_rank() == 0:
         torch.save(checkpoint, path)
     dist.barrier()
@@ -59,7 +73,9 @@ def main(args):
     else:
         model = DDP(model)
     width = model.module[0].in_features
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if args.resume is not None:
+        load_optimizer(args, model, optimizer)
     losses = []
     for step in range(2):
         data = torch.Generator().manual_seed(10 * step + dist.get_rank())
@@ -68,7 +84,7 @@ def main(args):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, save_checkpoint(args, model, args.path)
+    return losses, save_checkpoint(args, model, optimizer, args.path)
 """
 
 
@@ -90,6 +106,9 @@ def test_the_calls_that_serve_both_wrappers_keep_both_forms() -> None:
     assert full in out  # (inside the flag's branch: FSDP's alone)
     assert "width = (model if isinstance(model, FSDPModule) else model.module)[0].in_features" in out
     assert "        model = DDP(model)\n" in out and "        fully_shard(model)\n" in out
+    # the converted optimizer state, loaded by the line after the branch either way: loaded at once under FSDP2
+    to_load = "osd = loaded_optim_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))"
+    assert to_load in out and "    optimizer.load_state_dict(osd)\n" in out
     again = migrate_program({"main.py": out}).results["main.py"]
     assert (again.migrated, again.findings) == (out, [])
 
@@ -121,4 +140,8 @@ def test_both_wrappers_train_save_and_resume_as_the_original(ranks: Any, tmp_pat
                     assert model1 and all(k.startswith("module.") for k in model1)
                 else:
                     assert bool(model1) == (rank == 0)
+                optim1, optim2 = saved1["optimizer"]["state"], saved2["optimizer"]["state"]
+                assert optim1.keys() == optim2.keys() and len(optim1) == 4
+                for key in optim1:
+                    assert torch.allclose(optim1[key]["exp_avg_sq"], optim2[key]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
             assert seen["fsdp2", fsdp, True][0] != seen["fsdp2", fsdp, False][0]  # (it did resume)

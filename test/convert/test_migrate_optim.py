@@ -211,8 +211,8 @@ _REFUSED = {
     "computed rank0_only": "full = FSDP.full_optim_state_dict(model, optim, rank0_only=rank == 0)",
     "**kwargs": "full = FSDP.full_optim_state_dict(**kwargs)",
     "not loaded": "sharded = FSDP.shard_full_optim_state_dict(full, model, optim=optim)",
-    "used twice": "sharded = FSDP.shard_full_optim_state_dict(full, model, optim=optim)\n"
-    "optim.load_state_dict(sharded)\nprint(sharded)",
+    "used twice, never loaded": "sharded = FSDP.shard_full_optim_state_dict(full, model, optim=optim)\n"
+    "torch.save(sharded, 'osd.pt')\nprint(sharded)",
     "another optimizer": "optim.load_state_dict(FSDP.shard_full_optim_state_dict(full, model, optim=other))",
     "rebound between": "sharded = FSDP.scatter_full_optim_state_dict(full, model, optim=optim)\n"
     "full = None\noptim.load_state_dict(sharded)",
@@ -237,3 +237,28 @@ def test_forms_it_cannot_map_are_reported_and_kept(body: str) -> None:
     assert "set_optimizer_state_dict" not in result.migrated and "get_optimizer_state_dict" not in result.migrated
     # the load it would have fed stays as well (it would otherwise load FSDP1's layout into FSDP2's optimizer)
     assert body.count("load_state_dict") == result.migrated.count("load_state_dict")
+
+
+def test_a_to_load_result_used_beyond_its_load_loads_at_once() -> None:
+    """open_lm converts under a flag and loads either form after it (`if args.fsdp: osd = FSDP.optim_state_dict_to_load
+    (...)`, then `optimizer.load_state_dict(osd)`): the conversion becomes runtime's loaded_optim_state_dict, which
+    loads into the optimizer and gives back its own state dict for the load that follows (test_migrate_maybe_wrapped.py
+    runs it against FSDP1)."""
+    source = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def run(model, optim, full, fsdp):
+            sharded = full
+            if fsdp:
+                sharded = FSDP.shard_full_optim_state_dict(full, model, optim=optim)
+            optim.load_state_dict(sharded)
+            print(sharded)
+        """
+    )
+    result = migrate_source(source)
+    assert result.findings == [], [f.format("x.py") for f in result.findings]
+    loaded = "sharded = loaded_optim_state_dict(model, optim, full, options=StateDictOptions(full_state_dict=True))"
+    assert loaded in result.migrated and "    optim.load_state_dict(sharded)\n" in result.migrated
+    assert "from fsdp_legacy.migrate.runtime import loaded_optim_state_dict" in result.migrated

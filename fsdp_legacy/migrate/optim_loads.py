@@ -1,0 +1,178 @@
+"""The optimizer-state loads of FSDP1 (`optim.load_state_dict(FSDP.optim_state_dict_to_load(...))`, the legacy
+to-load calls, and `osd = FSDP.<to-load API>(...)` paired with a later `optim.load_state_dict(osd)` in its block)
+as set_optimizer_state_dict, and the optimizer-state saves and re-keyings in expressions (optim_state.py holds the
+calls' own mapping; these functions place it in the file, for the transformer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import libcst as cst
+
+from . import optim_state
+from .construction import RUNTIME
+from .reorder import bound_names, names_in
+
+if TYPE_CHECKING:
+    from .transformer import Fsdp1ToFsdp2
+
+LOADED = "loaded_optim_state_dict"  # runtime's optim_state_dict_to_load that loads at once
+FULL = "StateDictOptions(full_state_dict=True)"  # FSDP1's default state-dict type: FULL, on every rank
+
+
+@dataclass(frozen=True)
+class PendingLoad:
+    """`name = FSDP.<to-load API>(...)`, waiting in its block for the `optim.load_state_dict(name)` it feeds."""
+
+    name: str
+    call: cst.Call
+    loading: optim_state.Load
+    options: str
+    names: set[str]  # the names its arguments use
+
+
+def _loaded_later(t: Fsdp1ToFsdp2, statement: cst.SimpleStatementLine, name: str, optim: str) -> bool:
+    """Whether the function (or module) holding `statement` calls `optim.load_state_dict(name)` after it."""
+    scope = t.resume.bindings.enclosing(statement, cst.FunctionDef) or t.module
+    after = t.resume.bindings.positions[statement].end.line
+    found = False
+
+    class _Loads(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            nonlocal found
+            func, args = node.func, node.args
+            if not (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(args) == 1):
+                return
+            if t.code(func.value) == optim and t.code(args[0].value) == name:
+                found |= t.resume.bindings.positions[node].start.line > after
+
+    scope.visit(_Loads())
+    return found
+
+
+def load_def(
+    t: Fsdp1ToFsdp2, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, name: str, call: cst.Call
+) -> cst.SimpleStatementLine | None:
+    """Note `name = FSDP.<to-load API>(...)`; the block pairs it with its load_state_dict (pair_loads). Where
+    `name` is used beyond that load, the call names its optimizer and a later `optim.load_state_dict(name)` takes
+    it (open_lm converts under a flag, then loads either form), it loads at once instead (LOADED)."""
+    api = cast(str, optim_state.api_of(t.fsdp1(call.func)))
+    loading = optim_state.load(api, call, t.code)
+    if isinstance(loading, optim_state.Refusal):
+        t.report(call, loading.what, loading.why, loading.fix)
+        return None
+    options = optim_state.load_options(api) or t._options(loading.model, call, optim=True)
+    if options is None:
+        return None  # the model's state-dict type is left to a person (reported)
+    options = t.resume.options(call, options)
+    uses = t.resume.bindings.count_in_scope(name, original)
+    at_once = uses > 2 and loading.optim is not None and _loaded_later(t, original, name, loading.optim)
+    if at_once and not t.resume.check(call, options):
+        assert loading.optim is not None
+        t.resume.loaded(call, loading.model, loading.optim, options)
+        t.consumed.add(call)
+        t.need(RUNTIME, LOADED)
+        t._need_helpers()
+        code = f"{LOADED}({loading.model}, {loading.optim}, {loading.osd}, options={options})"
+        assign = cast(cst.Assign, updated.body[0])
+        return updated.with_changes(body=[assign.with_changes(value=t.expr(code))])
+    if uses != 2:  # the assignment and the load
+        why = (
+            f"`{name}` is never used"
+            if uses < 2
+            else f"`{name}` is used elsewhere too, where only `optimizer.load_state_dict({name})` has an FSDP2 form"
+        )
+        t.report(call, f"`{name} = FSDP.{api}(...)`", why, optim_state.Refusal("", "").fix)
+        return None
+    names = set().union(*(names_in(a.value) for a in call.args))
+    t.load_defs[t._key(updated)] = PendingLoad(name, call, loading, options, names)
+    return None
+
+
+def pair_loads(t: Fsdp1ToFsdp2, body: list[cst.BaseStatement]) -> None:
+    """`name = FSDP.<to-load API>(...)` and, later in the block, `optim.load_state_dict(name)` become one
+    set_optimizer_state_dict where the load was (the names the call reads not rebound in between)."""
+    for index, statement in enumerate(body):
+        pending = t.load_defs.pop(id(statement), None)
+        if pending is None:
+            continue
+        for later in range(index + 1, len(body)):
+            use = t.load_uses.get(id(body[later]))
+            if use is not None and use[1] == pending.name:
+                if _pair(t, pending, use[0], body, index, later):
+                    t.consumed.add(use[2])
+                break
+            if pending.names & bound_names(body[later]):
+                break
+        if pending.call not in t.consumed:
+            why = f"`{pending.name}` is not loaded by `optimizer.load_state_dict({pending.name})` later in its block"
+            what = f"`{pending.name} = FSDP.{pending.loading.api}(...)`"
+            t.report(pending.call, what, why, optim_state.Refusal("", "").fix)
+
+
+def _pair(
+    t: Fsdp1ToFsdp2, pending: PendingLoad, optimizer: str, body: list[cst.BaseStatement], at: int, load: int
+) -> bool:
+    refused = t.resume.check(pending.call, pending.options)
+    code = refused or optim_state.load_code(pending.loading, optimizer, pending.options)
+    if isinstance(code, optim_state.Refusal):
+        t.report(pending.call, code.what, code.why, code.fix)
+        return False
+    t.resume.loaded(pending.call, pending.loading.model, optimizer, pending.options)
+    need_load(t, code)
+    old = cast(cst.SimpleStatementLine, body[load])
+    new = cast(cst.SimpleStatementLine, cst.parse_statement(code + "\n"))
+    body[load] = new.with_changes(leading_lines=old.leading_lines, trailing_whitespace=old.trailing_whitespace)
+    t.dropped[t._key(body[at])] = []
+    t.consumed.add(pending.call)
+    return True
+
+
+def optim_call(t: Fsdp1ToFsdp2, api: str, call: cst.Call) -> cst.BaseExpression | None:
+    """An optimizer-state call in an expression (optim_state.py): a save or a re-keying; the to-load calls are
+    rewritten with the load_state_dict call that takes their result."""
+    if api in optim_state.LOADS:
+        return None
+    if api == optim_state.REKEY:
+        code = optim_state.rekey(call, t.code, t.fsdp1)
+        if not isinstance(code, optim_state.Refusal):
+            t.need(RUNTIME, "rekey_optim_state_dict")
+    else:
+        model = t.code(call.args[0].value) if call.args and not call.args[0].keyword else ""
+        options = t._options(model, call, optim=True) if api == "optim_state_dict" else FULL
+        if options is None:
+            return None
+        code = optim_state.save(api, call, t.code, options)
+        if not isinstance(code, optim_state.Refusal):
+            t._need_helpers("get_optimizer_state_dict")
+    if isinstance(code, optim_state.Refusal):
+        t.report(call, code.what, code.why, code.fix)
+        return None
+    return t.expr(code)
+
+
+def optim_load(t: Fsdp1ToFsdp2, call: cst.Call, optimizer: str) -> cst.BaseExpression | None:
+    """`optimizer.load_state_dict(FSDP.<to-load API>(...))` as set_optimizer_state_dict, which loads."""
+    api = cast(str, optim_state.api_of(t.fsdp1(call.func)))
+    loading = optim_state.load(api, call, t.code)
+    code: str | optim_state.Refusal = loading if isinstance(loading, optim_state.Refusal) else ""
+    if isinstance(loading, optim_state.Load):
+        options = optim_state.load_options(api) or t._options(loading.model, call, optim=True)
+        if options is None:
+            return None  # the model's state-dict type is left to a person (reported)
+        options = t.resume.options(call, options)
+        code = t.resume.check(call, options) or optim_state.load_code(loading, optimizer, options)
+    if isinstance(code, optim_state.Refusal):
+        t.report(call, code.what, code.why, code.fix)
+        return None
+    t.resume.loaded(call, cast(optim_state.Load, loading).model, optimizer, cast(str, options))
+    t.consumed.add(call)
+    need_load(t, code)
+    return t.expr(code)
+
+
+def need_load(t: Fsdp1ToFsdp2, code: str) -> None:
+    t._need_helpers("set_optimizer_state_dict")
+    if "unshared_optim_state(" in code:
+        t.need(RUNTIME, "unshared_optim_state")
