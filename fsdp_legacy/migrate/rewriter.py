@@ -71,7 +71,7 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
         plan = blocks.plan(keep)
         transformer = Fsdp1ToFsdp2(wrapper.module, survey, set_types, wraps, plan, resume, context, facts)
         tree = wrapper.visit(transformer)
-        readers = Readers(transformer.removed_blocks, transformer.consumed - transformer.reported, code)
+        readers = Readers(transformer.removed_blocks, transformer.consumed - transformer.reported, code, bindings)
         wrapper.visit(readers)
         if not readers.found:
             break

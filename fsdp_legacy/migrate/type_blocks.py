@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import libcst as cst
-from libcst.metadata import PositionProvider, QualifiedNameProvider
+from libcst.metadata import Assignment, PositionProvider, QualifiedNameProvider
 
 from . import run_time_blocks
 from .bindings import Bindings
@@ -31,6 +31,9 @@ _HARMLESS = frozenset(
      "named_children", "eval", "train", "zero_grad"}
 )  # fmt: skip
 _SAVES_OR_LOADS = ("save", "load", "checkpoint", "state_dict")
+# the options of a block no call under which reads its type (Lumina's LOCAL block around `opt.state_dict()`): any
+# type, taken away as it is; no call takes these
+_NO_CALL = "StateDictOptions()"
 # tensor-file writers and readers that see only the tensors handed to them (fsdp_qlora saves with save_file)
 _TENSOR_FILES = frozenset(
     f"safetensors.torch.{name}" for name in ("save_file", "load_file", "save", "load")
@@ -73,7 +76,12 @@ class TypeBlocks(cst.CSTVisitor):
             options = run_time_blocks.parse(item.item, self.code, self.fsdp1, self.bindings, self.taken)
             if options is not None:
                 self.open.append(node)
-        self.blocks[node] = (item.item, options)
+        call = item.item
+        if options is None and call.args and not call.args[0].keyword and not any(a.star for a in call.args):
+            model = self.code(call.args[0].value)
+            if reads_nothing(_Reads(self, self.bindings, set()), node, model):
+                options = TypeOptions(model, _NO_CALL, _NO_CALL)  # a block under which nothing reads its type
+        self.blocks[node] = (call, options)
 
     def leave_With(self, original_node: cst.With) -> None:
         if self.open and self.open[-1] is original_node:
@@ -127,41 +135,45 @@ class _Calls(cst.CSTVisitor):
         self.calls.append(node)
 
 
-class Readers(cst.CSTVisitor):
-    """Visits the original tree after a rewrite: for each block taken away (model code), the first call in it that
-    may run under its type and was not rewritten (`consumed` holds the rewritten nodes)."""
+class _Reads:
+    """Whether a call may run under a state-dict type set on `model`: what a block's calls are checked for, on the
+    tree as read (`consumed`: the calls the rewrite mapped, which read nothing of FSDP1's)."""
 
-    METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
+    def __init__(self, visitor: cst.MetadataDependent, bindings: Bindings, consumed: set[cst.CSTNode]) -> None:
+        self.visitor, self.bindings, self.consumed = visitor, bindings, consumed
 
-    def __init__(self, removed: dict[cst.With, str], consumed: set[cst.CSTNode], code: Code) -> None:
-        super().__init__()
-        self.removed = removed
-        self.consumed = consumed
-        self.code = code
-        self.found: dict[cst.With, str] = {}
+    def qualified(self, node: cst.CSTNode) -> set[str]:
+        return {q.name for q in self.visitor.get_metadata(QualifiedNameProvider, node, set())}
 
-    def visit_With(self, node: cst.With) -> None:
-        model = self.removed.get(node)
-        if model is None:
-            return
-        calls = _Calls()
-        node.body.visit(calls)
-        for call in calls.calls:
-            why = None if call in self.consumed else self._reads(call, model)
-            if why is not None:
-                line = self.get_metadata(PositionProvider, call).start.line
-                written = self.code(call.func)
-                self.found[node] = f"`{written}(...)` at line {line} may run under the type it sets ({why})"
-                return
+    def optimizer(self, node: cst.BaseExpression) -> bool:
+        """A torch optimizer, whose state_dict() no state-dict type touches: a name bound once to `torch.optim.X(
+        ...)`, or a parameter annotated with a torch.optim class (`optimizer: torch.optim.Optimizer`)."""
+        if not isinstance(node, cst.Name):
+            return False
+        scope = self.bindings.scopes.get(node)
+        found = list(scope[node.value]) if scope is not None else []
+        if len(found) != 1 or not isinstance(found[0], Assignment):
+            return False
+        bound = found[0].node
+        if isinstance(bound, cst.Param):
+            annotation = bound.annotation.annotation if bound.annotation else None
+            return annotation is not None and any(q.startswith("torch.optim.") for q in self.qualified(annotation))
+        binding = self.bindings.single(node)
+        value = binding.value if binding is not None else None
+        return isinstance(value, cst.Call) and any(q.startswith("torch.optim.") for q in self.qualified(value.func))
 
-    def _reads(self, call: cst.Call, model: str) -> str | None:
-        qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, call.func, set())}
+    def why(self, call: cst.Call, model: str) -> str | None:
+        """Why `call` may read the type set on `model`; None where it cannot."""
+        if call in self.consumed:
+            return None
+        qualified = self.qualified(call.func)
         func = call.func
         name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
         torch = any(q.startswith("torch.") for q in qualified) or bool(qualified & _TENSOR_FILES)
         if any(fsdp1_name(q) for q in qualified):
             return "an FSDP1 call left in place"
-        if name in ("state_dict", "load_state_dict") and not torch:
+        optimizer = isinstance(func, cst.Attribute) and self.optimizer(func.value)
+        if name in ("state_dict", "load_state_dict") and not torch and not optimizer:
             return "a state-dict call not on the block's model, or not in a form this tool maps"
         if isinstance(func, cst.Attribute) and name not in _HARMLESS:
             receiver = _chain(func.value)
@@ -169,7 +181,7 @@ class Readers(cst.CSTVisitor):
                 return f"a call on `{receiver}`, which is or holds `{model}`"
         if any(self._mentions(arg.value, model) for arg in call.args):
             return f"a call handed `{model}` (or an object holding it)"
-        if not torch and any(word in name.lower() for word in _SAVES_OR_LOADS):
+        if not torch and not optimizer and any(word in name.lower() for word in _SAVES_OR_LOADS):
             return "a save or load this tool cannot see into"
         return None
 
@@ -181,3 +193,62 @@ class Readers(cst.CSTVisitor):
         if chain is not None:
             return _related(chain, model)
         return any(self._mentions(child, model) for child in node.children)
+
+
+# what a block may call and still read nothing of its type (besides an optimizer's state-dict calls): a block whose
+# calls are all these and read nothing is taken away whatever its type (LOCAL included)
+_PLAIN_CALLS = ("torch.", "builtins.", "os.", "logging.", "math.", "time.", "json.", "pathlib.")
+_LOG_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical"})
+
+
+def reads_nothing(reads: _Reads, block: cst.With, model: str) -> bool:
+    """Whether no call under `block` can read the state-dict type it sets: each a plain library call (torch's,
+    Python's own, a log line) or an optimizer's state_dict()/load_state_dict(), none handed the model."""
+    if first_reader(reads, block, model) is not None:
+        return False
+    calls = _Calls()
+    block.body.visit(calls)
+    for call in calls.calls:
+        func = call.func
+        method = func.attr.value if isinstance(func, cst.Attribute) else ""
+        if isinstance(func, cst.Attribute) and (method in _LOG_METHODS or reads.optimizer(func.value)):
+            continue
+        qualified = reads.qualified(func)
+        if not qualified or not all(q.startswith(_PLAIN_CALLS) or q in _TENSOR_FILES for q in qualified):
+            return False
+    return True
+
+
+def first_reader(reads: _Reads, block: cst.With, model: str) -> tuple[cst.Call, str] | None:
+    """The first call in `block` that may run under the type it sets on `model`, and why."""
+    calls = _Calls()
+    block.body.visit(calls)
+    for call in calls.calls:
+        why = reads.why(call, model)
+        if why is not None:
+            return call, why
+    return None
+
+
+class Readers(cst.CSTVisitor):
+    """Visits the original tree after a rewrite: for each block taken away (model code), the first call in it that
+    may run under its type and was not rewritten (`consumed` holds the rewritten nodes)."""
+
+    METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
+
+    def __init__(
+        self, removed: dict[cst.With, str], consumed: set[cst.CSTNode], code: Code, bindings: Bindings
+    ) -> None:
+        super().__init__()
+        self.removed = removed
+        self.reads = _Reads(self, bindings, consumed)
+        self.code = code
+        self.found: dict[cst.With, str] = {}
+
+    def visit_With(self, node: cst.With) -> None:
+        model = self.removed.get(node)
+        found = first_reader(self.reads, node, model) if model is not None else None
+        if found is not None:
+            call, why = found
+            line = self.get_metadata(PositionProvider, call).start.line
+            self.found[node] = f"`{self.code(call.func)}(...)` at line {line} may run under the type it sets ({why})"
