@@ -6,9 +6,10 @@ by a conditional): the block becomes, where it starts,
 
 (fsdp_legacy.migrate.runtime, options_runtime.py), the arguments evaluated where FSDP1 evaluated them and the decision
 made at run time as FSDP1 makes it, and the calls in its body take those options. Followed only where every config
-is absent, written inline, or a name bound once (bindings.py) to FSDP1's config classes (a conditional between them
-too) and used only here: the configs then stay, as data the helper reads. A type written as LOCAL_STATE_DICT, or a
-config the tool cannot follow, leaves the block to type_blocks.py's report."""
+is absent, written inline, a name bound once (bindings.py) to FSDP1's config classes (a conditional between them
+too) and used only here, or an attribute `self.<name>` its class assigns once and reads only as state_dict_type
+arguments (prismatic's `self.fsdp_save_policy`): the configs then stay, as data the helper reads. A type written as
+LOCAL_STATE_DICT, or a config the tool cannot follow, leaves the block to type_blocks.py's report."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ _CONFIGS = frozenset(
     {"FullStateDictConfig", "ShardedStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig"}
 )
 _FOLLOWED = ("StateDictType.FULL_STATE_DICT", "StateDictType.SHARDED_STATE_DICT")
+_BLOCK = "FullyShardedDataParallel.state_dict_type"
 
 Code = Callable[[cst.CSTNode], str]
 Fsdp1 = Callable[[cst.CSTNode], "str | None"]
@@ -44,6 +46,45 @@ def _config_calls(node: cst.BaseExpression, fsdp1: Fsdp1) -> list[cst.Call] | No
     if isinstance(node, cst.Call) and fsdp1(node.func) in _CONFIGS and not any(a.star for a in node.args):
         return [node]
     return None
+
+
+def _attribute_config(
+    block: cst.Call, node: cst.Attribute, code: Code, fsdp1: Fsdp1, bindings: Bindings
+) -> cst.BaseExpression | None:
+    """A config held as `self.<name>` (prismatic's `self.fsdp_save_policy = FullStateDictConfig(...)` in
+    `__init__`, read by the block in `save_checkpoint`): the value of the one statement of the class that assigns
+    it, where every read of it there is a state_dict_type call's argument; None otherwise."""
+    attribute = code(node)
+    owner = bindings.enclosing(block, cst.ClassDef)
+    if not attribute.startswith("self.") or owner is None:
+        return None
+    assigned: list[cst.BaseExpression] = []
+    ok = True
+
+    class _Uses(cst.CSTVisitor):
+        def visit_Assign(self, assign: cst.Assign) -> None:
+            if any(code(t.target) == attribute for t in assign.targets):
+                assigned.append(assign.value if len(assign.targets) == 1 else cst.Name("None"))
+
+        def visit_AugAssign(self, assign: cst.AugAssign) -> None:
+            nonlocal ok
+            ok = ok and code(assign.target) != attribute
+
+        def visit_Attribute(self, read: cst.Attribute) -> bool:
+            nonlocal ok
+            if code(read) != attribute:
+                return True
+            arg = bindings.parents.get(read)
+            target = bindings.parents.get(arg) if isinstance(arg, cst.Arg) else None
+            assigning = isinstance(arg, cst.AssignTarget)
+            reader = isinstance(target, cst.Call) and (
+                fsdp1(target.func) == _BLOCK or code(target.func).rpartition(".")[2] == HELPER
+            )  # (the helper: a file migrated before)
+            ok = ok and (assigning or reader)
+            return False
+
+    owner.visit(_Uses())
+    return assigned[0] if ok and len(assigned) == 1 else None
 
 
 def parse(call: cst.Call, code: Code, fsdp1: Fsdp1, bindings: Bindings, taken: frozenset[str]) -> TypeOptions | None:
@@ -70,7 +111,10 @@ def parse(call: cst.Call, code: Code, fsdp1: Fsdp1, bindings: Bindings, taken: f
         binding = bindings.single(node) if isinstance(node, cst.Name) and node.value != "None" else None
         if isinstance(node, cst.Name) and node.value != "None" and (binding is None or len(binding.uses) != 1):
             return None  # a config bound elsewhere or used again: its other uses are not the helper's
-        found = _config_calls(binding.value if binding is not None else node, fsdp1)
+        value: cst.BaseExpression | None = binding.value if binding is not None else node
+        if isinstance(node, cst.Attribute):
+            value = _attribute_config(call, node, code, fsdp1, bindings)
+        found = _config_calls(value, fsdp1) if value is not None else None
         if found is None:
             return None
         data.extend(found)
@@ -91,9 +135,20 @@ def started(
 
 
 def read_at_run_time(
-    call: cst.Call, qualified: set[str], value_of: Callable[[cst.BaseExpression], cst.BaseExpression], fsdp1: Fsdp1
+    call: cst.Call,
+    qualified: set[str],
+    value_of: Callable[[cst.BaseExpression], cst.BaseExpression],
+    fsdp1: Fsdp1,
+    code: Code,
+    bindings: Bindings,
 ) -> list[cst.CSTNode]:
     """In a migrated file, the FSDP1 configs a `state_dict_type_options(...)` call reads (data, not left over)."""
     if f"{RUNTIME}.{HELPER}" not in qualified:
         return []
-    return [found for arg in call.args for found in _config_calls(value_of(arg.value), fsdp1) or ()]
+    found: list[cst.CSTNode] = []
+    for arg in call.args:
+        value: cst.BaseExpression | None = value_of(arg.value)
+        if isinstance(arg.value, cst.Attribute):
+            value = _attribute_config(call, arg.value, code, fsdp1, bindings)
+        found.extend(_config_calls(value, fsdp1) or () if value is not None else ())
+    return found

@@ -402,7 +402,11 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             given = original.args[1].value  # an FSDP1 policy is what apply_fully_shard takes (a migrated file)
             self.consumed.update({given, self.value_of(given)})
             self._policy_factory(self.value_of(given))
-        self.consumed.update(run_time_blocks.read_at_run_time(original, qualified, self.value_of, self.fsdp1))
+        self.consumed.update(
+            run_time_blocks.read_at_run_time(
+                original, qualified, self.value_of, self.fsdp1, self.code, self.resume.bindings
+            )
+        )
         if original in self.survey.fsdp_partials:
             return partials.rewrite(self, original, updated)
         name = self.fsdp1(original.func)
