@@ -50,9 +50,9 @@ def test_the_seeds_that_found_differences_match_torch() -> None:
     assert not different, report
 
 
-@pytest.mark.heavy  # 54 seeds, 1-4 minutes on 2 CPU cores (each of torch's hangs costs 30 s); longer campaigns:
+@pytest.mark.heavy  # 30 seeds, 1-2 minutes on 2 CPU cores (each of torch's hangs costs 30 s); longer campaigns:
 def test_a_campaign_matches_torch() -> None:  # `python tools/fuzz_runtime.py --seeds 300` (15-20 minutes)
-    seeds = range(100, 154)
+    seeds = range(100, 130)
     different, report = _campaign(seeds)
     assert not different, report
 
