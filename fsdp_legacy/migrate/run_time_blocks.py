@@ -8,7 +8,8 @@ by a conditional): the block becomes, where it starts,
 made at run time as FSDP1 makes it, and the calls in its body take those options. Followed only where every config
 is absent, written inline, a name bound once (bindings.py) to FSDP1's config classes (a conditional between them
 too) and used only here, or an attribute `self.<name>` its class assigns once and reads only as state_dict_type
-arguments (prismatic's `self.fsdp_save_policy`): the configs then stay, as data the helper reads. A type written as
+arguments (prismatic's `self.fsdp_save_policy`), or an attribute the file does not assign (Accelerate's
+`fsdp_plugin.state_dict_config`, made elsewhere): the configs then stay, as data the helper reads. A type written as
 LOCAL_STATE_DICT, or a config the tool cannot follow, leaves the block to type_blocks.py's report."""
 
 from __future__ import annotations
@@ -53,11 +54,13 @@ def _attribute_config(
 ) -> cst.BaseExpression | None:
     """A config held as `self.<name>` (prismatic's `self.fsdp_save_policy = FullStateDictConfig(...)` in
     `__init__`, read by the block in `save_checkpoint`): the value of the one statement of the class that assigns
-    it, where every read of it there is a state_dict_type call's argument; None otherwise."""
+    it, where every read of it there is a state_dict_type call's argument; None where the class assigns it
+    otherwise. An attribute the file does not assign (Accelerate's `fsdp_plugin.state_dict_config`) is an object made
+    elsewhere, which the helper reads as it is: `None`'s node (no config data here)."""
     attribute = code(node)
     owner = bindings.enclosing(block, cst.ClassDef)
     if not attribute.startswith("self.") or owner is None:
-        return None
+        return cst.Name("None")
     assigned: list[cst.BaseExpression] = []
     ok = True
 
@@ -84,6 +87,8 @@ def _attribute_config(
             return False
 
     owner.visit(_Uses())
+    if not assigned:
+        return cst.Name("None")
     return assigned[0] if ok and len(assigned) == 1 else None
 
 

@@ -118,3 +118,61 @@ def test_the_migrated_strategy_trains_and_saves_as_fsdp1(ranks: Any) -> None:
             assert state1.keys() == state2.keys() and len(state1) == 4
             for key in state1:
                 assert torch.allclose(state1[key]["exp_avg"], state2[key]["exp_avg"], rtol=1e-5, atol=1e-8)
+
+
+# Accelerate's style: the type and configs come on a plugin object made elsewhere (`accelerator.state.fsdp_plugin`)
+_PLUGIN = """
+import types
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+
+def save_model(fsdp_plugin, model, optimizer):
+    with FSDP.state_dict_type(
+        model, fsdp_plugin.state_dict_type, fsdp_plugin.state_dict_config, fsdp_plugin.optim_state_dict_config
+    ):
+        return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}
+
+
+def run():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))  # (a shard on each rank)
+    model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), device_id=torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(dist.get_rank())
+    nn.functional.mse_loss(model(torch.randn(4, 8, generator=data)), torch.zeros(4, 2)).backward()
+    optimizer.step()
+    plugins = [  # (made by the launcher's configuration; offload_to_cpu=False: torch's FSDP1 cannot offload on CPU)
+        types.SimpleNamespace(
+            state_dict_type=StateDictType.FULL_STATE_DICT,
+            state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+            optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        ),
+        types.SimpleNamespace(
+            state_dict_type=StateDictType.SHARDED_STATE_DICT,
+            state_dict_config=ShardedStateDictConfig(offload_to_cpu=False),
+            optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=False),
+        ),
+    ]
+    return [save_model(plugin, model, optimizer)["model"] for plugin in plugins]
+"""
+
+
+def test_a_plugins_type_and_configs_are_read_at_run_time(ranks: Any) -> None:
+    """The block is decided by state_dict_type_options from the plugin's attributes, whatever they hold: per rank,
+    rank 0's full tensors under FULL (nothing elsewhere) and each rank's shards under SHARDED, as FSDP1 gives them."""
+    from test_migrate_state_dict_type import _equal, _under_the_set_type
+
+    result = migrate_source(_PLUGIN)
+    out = result.migrated
+    assert "state_dict_type_options(state_dict_type=fsdp_plugin.state_dict_type" in out, out
+    assert "get_model_state_dict(model, options=state_dict_options)" in out
+    for rank, (fsdp1, fsdp2) in enumerate(ranks(_under_the_set_type, 2, _PLUGIN, out)):
+        full, sharded = fsdp1[1]
+        assert full[0] == "dict" and bool(full[1]) == (rank == 0) and {k for k, _ in sharded[1].values()} == {"shard"}
+        assert _equal(fsdp2, fsdp1)
