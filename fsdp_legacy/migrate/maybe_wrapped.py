@@ -60,25 +60,63 @@ def before_wrapping(bindings: Bindings, read: cst.Name, wrapping: Collection[cst
 
 
 def surely_wrapped(bindings: Bindings, read: cst.Name, wrapping: Collection[cst.SimpleStatementLine]) -> bool:
-    """Whether the name at `read` holds the wrapped model on every run reaching it: a statement of its scope that
-    wraps it runs before `read` whenever `read` runs, and no binding of the name to anything else comes between. A
-    name its scope never wraps (a global, a parameter, an attribute) is not this module's to doubt: True."""
+    """Whether the name at `read` holds the wrapped model on every run reaching it: each other binding of its scope
+    ahead of it either runs only after a wrapping (`model = torch.compile(model)` on the wrapped model) or is
+    followed by a wrapping that runs whenever `read` does (the plain module the wrapping replaces). A name its scope
+    never wraps (a global, a parameter, an attribute) is not this module's to doubt: True."""
     bound = _assignments(bindings, read)
     if not any(statement in wrapping for _, statement in bound):
         return True
     at = _order(bindings, read)
-    ahead = [
+    wraps = [
         (_order(bindings, a.node), statement)
         for a, statement in bound
-        if statement is not None
-        and statement in wrapping
-        and _order(bindings, a.node) < at
-        and _runs_before(bindings, statement, read)
+        if statement is not None and statement in wrapping and _order(bindings, a.node) < at
     ]
-    if not ahead:
+    ahead = [start for start, statement in wraps if _runs_before(bindings, statement, read)]
+    ahead += [_order(bindings, branch) for branch in _branches_ahead(bindings, read, wrapping)]
+    for a, statement in bound:
+        start = _order(bindings, a.node)
+        if start >= at or statement in wrapping:
+            continue
+        after_a_wrapping = statement is not None and any(
+            w < start and _runs_before(bindings, w_statement, statement) for w, w_statement in wraps
+        )
+        replaced = any(start < w for w in ahead)
+        if not (after_a_wrapping or replaced):
+            return False  # (open_lm's `model = DDP(model)` beside the FSDP branch; the plain module it may keep)
+    return True
+
+
+def _always_wraps(node: cst.CSTNode, wrapping: Collection[cst.SimpleStatementLine]) -> bool:
+    """An `if` whose every branch (an `else` too) wraps the model at its own level, or in such an `if`."""
+    if not isinstance(node, cst.If) or node.orelse is None:
         return False
-    last = max(start for start, _ in ahead)
-    return all(statement in wrapping for a, statement in bound if last < _order(bindings, a.node) < at)
+    branches: list[cst.BaseSuite] = [node.body]
+    rest: cst.If | cst.Else = node.orelse
+    if isinstance(rest, cst.If):
+        return _holds_a_wrapping(node.body, wrapping) and _always_wraps(rest, wrapping)
+    branches.append(rest.body)
+    return all(_holds_a_wrapping(branch, wrapping) for branch in branches)
+
+
+def _holds_a_wrapping(suite: cst.BaseSuite, wrapping: Collection[cst.SimpleStatementLine]) -> bool:
+    body = suite.body if isinstance(suite, cst.IndentedBlock) else ()
+    return any(s in wrapping or _always_wraps(s, wrapping) for s in body)
+
+
+def _branches_ahead(bindings: Bindings, read: cst.Name, wrapping: Collection[cst.SimpleStatementLine]) -> list[cst.If]:
+    """The `if` statements ahead of `read`, in the blocks holding it, that wrap the model on every branch."""
+    found: list[cst.If] = []
+    child: cst.CSTNode = read
+    current = bindings.parents.get(read)
+    while current is not None and not isinstance(current, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+        if isinstance(current, (cst.IndentedBlock, cst.Module)):
+            body: list[cst.CSTNode] = list(current.body)
+            before = body[: body.index(child)] if child in body else []
+            found += [s for s in before if isinstance(s, cst.If) and _always_wraps(s, wrapping)]
+        child, current = current, bindings.parents.get(current)
+    return found
 
 
 def guarded(model: str, fsdp2: str, as_written: str) -> str:

@@ -145,3 +145,27 @@ def test_both_wrappers_train_save_and_resume_as_the_original(ranks: Any, tmp_pat
                 for key in optim1:
                     assert torch.allclose(optim1[key]["exp_avg_sq"], optim2[key]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
             assert seen["fsdp2", fsdp, True][0] != seen["fsdp2", fsdp, False][0]  # (it did resume)
+
+
+_SHAPES = {  # how the model reaches `return model.state_dict()` -> whether it is surely the wrapped model there
+    "compiled after the wrapping": ("model = FSDP(model)\n    if flag:\n        model = torch.compile(model)\n", True),
+    "on both branches": ("if flag:\n        model = FSDP(model)\n    else:\n        model = FSDP(model.half())\n",
+                                 True),
+    "wrapped on one branch": ("if flag:\n        model = FSDP(model)\n", False),
+    "wrapped, then replaced on one branch": ("model = FSDP(model)\n    if flag:\n        model = nn.Identity()\n",
+                                             True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape,surely", _SHAPES.values(), ids=list(_SHAPES))
+def test_only_a_model_that_may_be_another_module_is_guarded(shape: str, surely: bool) -> None:
+    """A binding after the wrapping is a transformation of the wrapped model (torch.compile's module, which
+    get_model_state_dict takes as it is): the call stays FSDP2's alone. (The last shape is a program replacing its
+    model after wrapping it, which the tool takes as a transformation too: FSDP1 would give the Identity's dict.)"""
+    source = (
+        "import torch\nimport torch.nn as nn\nfrom torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        f"def main(flag):\n    model = nn.Linear(4, 4)\n    {shape}    return model.state_dict()\n"
+    )
+    out = migrate_program({"main.py": source}).results["main.py"].migrated
+    fsdp2 = "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))"
+    assert fsdp2 in out and ("isinstance(model, FSDPModule)" in out) == (not surely), out
