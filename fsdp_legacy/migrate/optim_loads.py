@@ -5,6 +5,7 @@ calls' own mapping; these functions place it in the file, for the transformer)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -30,6 +31,12 @@ class PendingLoad:
     loading: optim_state.Load
     options: str
     names: set[str]  # the names its arguments use
+
+
+def _is_model(t: Fsdp1ToFsdp2, call: cst.Call) -> Callable[[str], bool]:
+    from . import methods
+
+    return lambda code: methods.known(t, code, call) is not None
 
 
 def _loaded_later(t: Fsdp1ToFsdp2, statement: cst.SimpleStatementLine, name: str, optim: str) -> bool:
@@ -58,7 +65,7 @@ def load_def(
     `name` is used beyond that load, the call names its optimizer and a later `optim.load_state_dict(name)` takes
     it (open_lm converts under a flag, then loads either form), it loads at once instead (LOADED)."""
     api = cast(str, optim_state.api_of(t.fsdp1(call.func)))
-    loading = optim_state.load(api, call, t.code)
+    loading = optim_state.load(api, call, t.code, _is_model(t, call))
     if isinstance(loading, optim_state.Refusal):
         t.report(call, loading.what, loading.why, loading.fix)
         return None
@@ -155,7 +162,7 @@ def optim_call(t: Fsdp1ToFsdp2, api: str, call: cst.Call) -> cst.BaseExpression 
 def optim_load(t: Fsdp1ToFsdp2, call: cst.Call, optimizer: str) -> cst.BaseExpression | None:
     """`optimizer.load_state_dict(FSDP.<to-load API>(...))` as set_optimizer_state_dict, which loads."""
     api = cast(str, optim_state.api_of(t.fsdp1(call.func)))
-    loading = optim_state.load(api, call, t.code)
+    loading = optim_state.load(api, call, t.code, _is_model(t, call))
     code: str | optim_state.Refusal = loading if isinstance(loading, optim_state.Refusal) else ""
     if isinstance(loading, optim_state.Load):
         options = optim_state.load_options(api) or t._options(loading.model, call, optim=True)

@@ -87,8 +87,18 @@ def api_of(name: str | None) -> str | None:
     return api if api in _PARAMS else None
 
 
-def _bind(api: str, call: cst.Call, code: Code) -> dict[str, cst.BaseExpression] | Refusal:
+# torch before 2.1 took `optim_state_dict_to_load(optim_state_dict, model, optim)` (ml-4m's checkpoint helpers)
+_BEFORE_2_1 = ("optim_state_dict", "model", "optim")
+
+
+def _bind(
+    api: str, call: cst.Call, code: Code, is_model: Callable[[str], bool] | None = None
+) -> dict[str, cst.BaseExpression] | Refusal:
     required, params = _PARAMS[api]
+    positional = [a.value for a in call.args if a.keyword is None and not a.star]
+    if api == "optim_state_dict_to_load" and is_model is not None and len(positional) == len(call.args) == 3:
+        if is_model(code(positional[1])) and not is_model(code(positional[0])):
+            params = _BEFORE_2_1  # (its model second, where the file knows it wrapped)
     bound: dict[str, cst.BaseExpression] = {}
     for index, arg in enumerate(call.args):
         key = arg.keyword.value if arg.keyword else params[index] if index < len(params) else None
@@ -126,8 +136,10 @@ def save(api: str, call: cst.Call, code: Code, options: str) -> str | Refusal:
     return f"get_optimizer_state_dict({code(args['model'])}, {code(args['optim'])}, options={options})"
 
 
-def load(api: str, call: cst.Call, code: Code) -> Load | Refusal:
-    args = _bind(api, call, code)
+def load(api: str, call: cst.Call, code: Code, is_model: Callable[[str], bool] | None = None) -> Load | Refusal:
+    """The to-load call's model, state dict and optimizer (`is_model`: whether a code is a model the file knows
+    wrapped, which tells the pre-2.1 order of optim_state_dict_to_load's arguments)."""
+    args = _bind(api, call, code, is_model)
     if isinstance(args, Refusal):
         return args
     osd = next(args[p] for p in ("optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict") if p in args)

@@ -262,3 +262,28 @@ def test_a_to_load_result_used_beyond_its_load_loads_at_once() -> None:
     loaded = "sharded = loaded_optim_state_dict(model, optim, full, options=StateDictOptions(full_state_dict=True))"
     assert loaded in result.migrated and "    optim.load_state_dict(sharded)\n" in result.migrated
     assert "from fsdp_legacy.migrate.runtime import loaded_optim_state_dict" in result.migrated
+
+
+def test_the_argument_order_before_torch_2_1_is_read_from_the_model() -> None:
+    """ml-4m calls `FSDP.optim_state_dict_to_load(checkpoint['optimizer'], model, optimizer)`, torch 2.0's order
+    (2.1 put the model and optimizer first): where the second argument is the model the file knows wrapped, the
+    arguments are read in that order (before, it was reported as loaded into another optimizer)."""
+    source = textwrap.dedent(
+        """
+        import torch
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType, FullStateDictConfig
+
+        def resume(model, optimizer, checkpoint):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+                model.load_state_dict(checkpoint['model'])
+                optimizer_state_dict = FSDP.optim_state_dict_to_load(checkpoint['optimizer'], model, optimizer)
+                optimizer.load_state_dict(optimizer_state_dict)
+        """
+    )
+    result = migrate_source(source)
+    assert result.findings == [], [f.format("x.py") for f in result.findings]
+    loaded = "set_optimizer_state_dict(model, optimizer, unshared_optim_state(checkpoint['optimizer']), options="
+    assert loaded in result.migrated
+    # the 2.1 order, by position, stays read as it is written
+    current = migrate_source(source.replace("(checkpoint['optimizer'], model, optimizer)", "(model, optimizer, osd)"))
+    assert "set_optimizer_state_dict(model, optimizer, unshared_optim_state(osd), options=" in current.migrated
