@@ -22,6 +22,11 @@ def is_checkpointing(qualified: set[str]) -> bool:
     return any(q == _AC or q.endswith("." + _AC) for q in qualified)
 
 
+_RUN_TIME_MAPPERS = frozenset(
+    f"fsdp_legacy.migrate.runtime.{name}" for name in ("fully_shard_fsdp1", "fsdp1_options", "apply_fully_shard")
+)
+
+
 class Survey(cst.CSTVisitor):
     """What the rewrite needs to know about the whole file first: the wrapped models' names, single assignments
     (to read a policy or a config assigned to a name), how often each name occurs, the FSDP1 imports, the functions
@@ -44,7 +49,9 @@ class Survey(cst.CSTVisitor):
         # the statements that bind a name to the wrapped model: `model = FSDP(...)`, `model = build(...)` (builders)
         self.wrapping: set[cst.SimpleStatementLine] = set()
         self.fsdp_partials: list[cst.Call] = []  # every `partial(FSDP, ...)` (partials.py)
-        self.runs_fsdp1_calls = False  # a migrated file's fully_shard_fsdp1(...): FSDP1's values, read at run time
+        # a migrated file's fully_shard_fsdp1(...), fsdp1_options(...), apply_fully_shard(...): FSDP1's values (its
+        # policies, precision and offload objects), read at run time
+        self.runs_fsdp1_calls = False
         self.builders = Builders()  # functions returning the wrapped model to their callers (follow_builders)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
@@ -93,7 +100,7 @@ class Survey(cst.CSTVisitor):
             self.fsdp_calls.append(node)
         if is_fsdp_partial(node, self._qualified):
             self.fsdp_partials.append(node)
-        self.runs_fsdp1_calls |= "fsdp_legacy.migrate.runtime.fully_shard_fsdp1" in self._qualified(node.func)
+        self.runs_fsdp1_calls |= bool(self._qualified(node.func) & _RUN_TIME_MAPPERS)
 
     def visit_Name(self, node: cst.Name) -> None:
         self.name_count[node.value] += 1

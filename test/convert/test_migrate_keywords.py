@@ -102,6 +102,46 @@ def test_the_construction_becomes_apply_fully_shard_with_fsdp1_options() -> None
     assert 'device_id=torch.device("cpu") dropped' in out and "limit_all_gathers=True dropped" in out
 
 
+_BRANCHES = """
+import functools
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, CPUOffload, MixedPrecision
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy, transformer_auto_wrap_policy
+
+
+def get_fsdp_model(args, model, block):
+    if args.mixed_precision:
+        mixed_precision = MixedPrecision(
+            param_dtype=torch.float32, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
+        )
+    else:
+        mixed_precision = None
+    if args.use_lora:
+        wrap_policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m.weight.requires_grad)
+    else:
+        wrap_policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block})
+    model = FSDP(
+        model,
+        auto_wrap_policy=wrap_policy,
+        mixed_precision=mixed_precision,
+        cpu_offload=CPUOffload(offload_params=args.cpu_offload),
+    )
+    return model
+"""
+
+
+def test_a_migrated_file_reading_fsdp1_values_at_run_time_is_migrated_again_to_itself() -> None:
+    """fingertap/llama_fsdp's and prismatic's shape: the policy and the precision bound on each branch, the offload
+    computed. The migrated file keeps them as FSDP1's (fsdp1_options and apply_fully_shard read them at run time); a
+    second run read them as left-over FSDP1 objects and reported them (a MixedPrecision without a cast, the policies
+    left in place), where a migrated file must come back as it is, with nothing to say."""
+    first = migrate_source(_BRANCHES)
+    assert first.findings == [], [f.format("x.py") for f in first.findings]
+    assert "apply_fully_shard(model, wrap_policy, **fsdp_kwargs)" in first.migrated
+    again = migrate_source(first.migrated)
+    assert (again.migrated, again.findings) == (first.migrated, [])
+
+
 def test_a_policy_read_by_a_construction_stays_fsdp1s_only_then() -> None:
     """Without a construction reading it at run time, a MixedPrecision with a buffer_dtype nothing casts for is
     reported, as before."""
