@@ -13,6 +13,14 @@ from .report import Finding
 DATA_ENUMS = frozenset({"ShardingStrategy", "StateDictType", "BackwardPrefetch"})
 
 
+def _accelerate(node: cst.Attribute) -> bool:
+    """Accelerate's own `accelerator.clip_grad_norm_(...)` (an Accelerator held as `accelerator` or
+    `self.accelerator`), which is no FSDP1 method."""
+    receiver = node.value
+    name = receiver.attr.value if isinstance(receiver, cst.Attribute) else getattr(receiver, "value", None)
+    return node.attr.value == "clip_grad_norm_" and name == "accelerator"
+
+
 class LeftoverFinder(cst.CSTVisitor):
     """Visits the original tree (through the rewriter's MetadataWrapper) skipping the nodes rewrites consumed."""
 
@@ -45,7 +53,7 @@ class LeftoverFinder(cst.CSTVisitor):
             why = "FSDP1's private internals (flat parameters, handles, the wrapped module) do not exist in FSDP2"
             fix = "use the module itself: its parameters are DTensors (`to_local()`, `full_tensor()`)"
             self._add(node, f"private FSDP1 attribute `{attr}`", why, fix)
-        elif attr in FSDP1_METHODS and not any(q.startswith("torch.") for q in qualified):
+        elif attr in FSDP1_METHODS and not any(q.startswith("torch.") for q in qualified) and not _accelerate(node):
             why = "called on an object this tool cannot tell is the FSDP-wrapped model (a parameter, an attribute)"
             fix = "rewrite by hand as for the wrapped model (docs/migration.md), or name it as the wrapped model is"
             self._add(node, f"`.{attr}(...)` on an object not known to be FSDP-wrapped", why, fix)

@@ -44,7 +44,7 @@ def _runs_before(bindings: Bindings, statement: cst.SimpleStatementLine, read: c
 
 
 def before_wrapping(bindings: Bindings, read: cst.Name, wrapping: Collection[cst.SimpleStatementLine]) -> bool:
-    """Whether `read` comes before the statement of its scope that binds the name to the wrapped model (`model =
+    """Whether `read` comes before a statement of its scope that binds the name to the wrapped model (`model =
     FSDP(model)`, `model = build(model)`), where no earlier binding of the scope wrapped it: the module the program is
     about to wrap. A loop around both reads it again after the wrapping: not before it."""
     at = _order(bindings, read)
@@ -53,10 +53,10 @@ def before_wrapping(bindings: Bindings, read: cst.Name, wrapping: Collection[cst
         key=lambda pair: pair[0],
     )
     before = [statement for start, statement in bound if start < at]
-    after = [statement for start, statement in bound if start > at]
-    if not after or after[0] not in wrapping or (before and before[-1] in wrapping):
-        return False
-    return not bindings.in_loop_around(read, after[0])
+    wraps_after = [statement for start, statement in bound if start > at and statement in wrapping]
+    if not wraps_after or any(statement in wrapping for statement in before):
+        return False  # (the plain module may be moved or loaded first: `model = model.to(dtype)` in between)
+    return not any(bindings.in_loop_around(read, statement) for statement in wraps_after)
 
 
 def surely_wrapped(bindings: Bindings, read: cst.Name, wrapping: Collection[cst.SimpleStatementLine]) -> bool:

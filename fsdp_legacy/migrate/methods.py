@@ -125,10 +125,15 @@ def before_its_wrapping(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression) -> bool:
 
 def maybe_plain(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression, node: cst.CSTNode) -> bool:
     """Whether the model `receiver` holds at `node` may be another module on some runs (maybe_wrapped.py): a name
-    whose wrapping does not run before every read, or a parameter some call hands such a name or a plain module."""
+    whose wrapping does not run before every read, a function's model known from its state_dict_type blocks alone
+    (outside them it may be any module), or a parameter some call hands such a name or a plain module."""
     if isinstance(receiver, cst.Name) and not surely_wrapped(t.resume.bindings, receiver, t.survey.wrapping):
         return True
-    return _parameter(t, t.code(receiver), node, t.facts.maybe_plain_params)
+    code = t.code(receiver)
+    if code in function_models(t, node) and code not in t.survey.models:  # (a block's model, outside the block)
+        if not _parameter(t, code, node, t.facts.wrapped_params):
+            return True  # (StableCascade's `save_model(model, is_fsdp)`: a block on one branch, a plain save on one)
+    return _parameter(t, code, node, t.facts.maybe_plain_params)
 
 
 def _classes_wrapping(t: Fsdp1ToFsdp2, model: str) -> set[str]:

@@ -39,23 +39,26 @@ def _is_model(t: Fsdp1ToFsdp2, call: cst.Call) -> Callable[[str], bool]:
     return lambda code: methods.known(t, code, call) is not None
 
 
-def _loaded_later(t: Fsdp1ToFsdp2, statement: cst.SimpleStatementLine, name: str, optim: str) -> bool:
-    """Whether the function (or module) holding `statement` calls `optim.load_state_dict(name)` after it."""
+def _loaded_later(t: Fsdp1ToFsdp2, statement: cst.SimpleStatementLine, name: str, optim: str | None) -> str | None:
+    """The optimizer whose `.load_state_dict(name)` the function (or module) holding `statement` calls after it:
+    `optim`, or where the call names none (StableCascade's `scatter_full_optim_state_dict(osd, model)`) the one
+    object so loaded; None where there is no such load."""
     scope = t.resume.bindings.enclosing(statement, cst.FunctionDef) or t.module
     after = t.resume.bindings.positions[statement].end.line
-    found = False
+    found: set[str] = set()
 
     class _Loads(cst.CSTVisitor):
         def visit_Call(self, node: cst.Call) -> None:
-            nonlocal found
             func, args = node.func, node.args
             if not (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(args) == 1):
                 return
-            if t.code(func.value) == optim and t.code(args[0].value) == name:
-                found |= t.resume.bindings.positions[node].start.line > after
+            if t.code(args[0].value) == name and t.resume.bindings.positions[node].start.line > after:
+                found.add(t.code(func.value))
 
     scope.visit(_Loads())
-    return found
+    if optim is not None:
+        return optim if optim in found else None
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def load_def(
@@ -74,14 +77,13 @@ def load_def(
         return None  # the model's state-dict type is left to a person (reported)
     options = t.resume.options(call, options)
     uses = t.resume.bindings.count_in_scope(name, original)
-    at_once = uses > 2 and loading.optim is not None and _loaded_later(t, original, name, loading.optim)
-    if at_once and not t.resume.check(call, options):
-        assert loading.optim is not None
-        t.resume.loaded(call, loading.model, loading.optim, options)
+    optim = _loaded_later(t, original, name, loading.optim) if uses > 2 else None
+    if optim is not None and not t.resume.check(call, options):
+        t.resume.loaded(call, loading.model, optim, options)
         t.consumed.add(call)
         t.need(RUNTIME, LOADED)
         t._need_helpers()
-        code = f"{LOADED}({loading.model}, {loading.optim}, {loading.osd}, options={options})"
+        code = f"{LOADED}({loading.model}, {optim}, {loading.osd}, options={options})"
         assign = cast(cst.Assign, updated.body[0])
         return updated.with_changes(body=[assign.with_changes(value=t.expr(code))])
     if uses != 2:  # the assignment and the load

@@ -64,9 +64,14 @@ def _attribute_config(
     assigned: list[cst.BaseExpression] = []
     ok = True
 
+    class_level = attribute[len("self.") :]  # (StableCascade's `fsdp_fullstate_save_policy = ...` in the class body)
+    class_body = owner.body
+
     class _Uses(cst.CSTVisitor):
         def visit_Assign(self, assign: cst.Assign) -> None:
-            if any(code(t.target) == attribute for t in assign.targets):
+            targets = [code(t.target) for t in assign.targets]
+            in_body = bindings.parents.get(bindings.parents.get(assign) or assign) is class_body
+            if attribute in targets or (in_body and class_level in targets):
                 assigned.append(assign.value if len(assign.targets) == 1 else cst.Name("None"))
 
         def visit_AugAssign(self, assign: cst.AugAssign) -> None:

@@ -400,3 +400,16 @@ def _offloads_with(factory: str, train: str) -> tuple[bool, bool]:
 
     state = model._get_fsdp_state()  # (FSDP2's state: the offload policy its parameter group runs with)
     return False, isinstance(state._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+
+
+def test_accelerates_own_clip_grad_norm_is_not_reported() -> None:
+    """alpaca_farm's RL trainer clips with `self.accelerator.clip_grad_norm_(...)`, Accelerate's method, beside its
+    FSDP1 code: it was reported as an FSDP1 method on an object not known to be wrapped."""
+    source = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy\n\n\n"
+        "def step(self, policy):\n"
+        "    self.accelerator.clip_grad_norm_(policy.parameters(), 1.0)\n"
+        "    return policy.sharding_strategy != ShardingStrategy.NO_SHARD, other.clip_grad_norm_(1.0)\n"
+    )
+    result = migrate_source(source)
+    assert [f.line for f in result.findings if "clip_grad_norm_" in f.what] == [6]  # (another object's still is)
