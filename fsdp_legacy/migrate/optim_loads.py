@@ -34,9 +34,7 @@ class PendingLoad:
 
 
 def _is_model(t: Fsdp1ToFsdp2, call: cst.Call) -> Callable[[str], bool]:
-    from . import methods
-
-    return lambda code: methods.known(t, code, call) is not None
+    return lambda code: t.known_model(code, call)
 
 
 def _loaded_later(t: Fsdp1ToFsdp2, statement: cst.SimpleStatementLine, name: str, optim: str | None) -> str | None:

@@ -117,6 +117,10 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.consumed.add(node)
         self.reported.add(node)
 
+    def known_model(self, code: str, node: cst.CSTNode) -> bool:
+        """Whether `code` at `node` is a model the file knows wrapped (methods.py)."""
+        return methods.known(self, code, node) is not None
+
     def need(self, module: str, obj: str | None = None) -> None:
         AddImportsVisitor.add_needed_import(self.context, module, obj)
 
