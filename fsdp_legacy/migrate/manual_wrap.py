@@ -53,6 +53,7 @@ class ManualWrap(cst.CSTVisitor):
         self.enable_funcs: set[cst.CSTNode] = set()
         self.calls: list[tuple[cst.Call, cst.With | None]] = []
         self.references: list[cst.CSTNode] = []  # every name of wrap / enable_wrap
+        self.modules: set[cst.CSTNode] = set()  # the values of attributes read (a module imported as a name)
         self.problems: list[Problem] = []
         self.overrides: list[Problem] = []  # FSDP1's per-module overrides of wrap()'s keywords
 
@@ -71,9 +72,15 @@ class ManualWrap(cst.CSTVisitor):
     def on_visit(self, node: cst.CSTNode) -> bool:
         if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             self.context.append(None)
-        if isinstance(node, (cst.Name, cst.Attribute)) and self.fsdp1(node) in (WRAP, ENABLE):
+        if (
+            isinstance(node, (cst.Name, cst.Attribute))
+            and node not in self.modules
+            and self.fsdp1(node) in (WRAP, ENABLE)
+        ):
             self.references.append(node)
             return False
+        if isinstance(node, cst.Attribute):  # `torch_wrap.lambda_auto_wrap_policy`: the module wrap.py, not wrap()
+            self.modules.add(node.value)
         if isinstance(node, cst.Attribute) and node.attr.value == "_wrap_overrides":
             why = "a module's _wrap_overrides win over wrap()'s keywords at run time, which the text does not show"
             self.overrides.append(Problem(node, "`_wrap_overrides`", why, ""))

@@ -26,6 +26,7 @@ WRAP_POLICIES = frozenset(
         "size_based_auto_wrap_policy",
         "ModuleWrapPolicy",
         "CustomPolicy",
+        "_or_policy",  # (private, but what llama-recipes and mistral-finetune combine their policies with)
     }
 )
 FSDP1_NAMES = WRAP_POLICIES | {

@@ -285,6 +285,7 @@ def test_a_policy_built_by_a_function_of_the_file_goes_to_apply_fully_shard(rank
     assert left == {
         "FSDP1 API `lambda_auto_wrap_policy` left in place",
         "FSDP1 API `transformer_auto_wrap_policy` left in place",
+        "FSDP1 API `_or_policy` left in place",  # (torch's private combinator, an FSDP1 policy like the others)
     }
 
 
@@ -298,3 +299,23 @@ def test_the_module_passed_by_keyword_migrates_as_by_position(ranks: Any) -> Non
     assert result.findings == [] and result.migrated == migrate_source(positional).migrated
     fsdp1, fsdp2 = ranks(_unit_names, 2, keyword, result.migrated)[0]
     assert fsdp1 == ["", "0", "1"] and fsdp2 == fsdp1
+
+
+def test_the_wrap_module_imported_as_a_name_is_no_wrap_call() -> None:
+    """mistral-finetune: `import torch.distributed.fsdp.wrap as torch_wrap`, its policies read as
+    `torch_wrap.transformer_auto_wrap_policy` and combined with `torch_wrap._or_policy`: the module was taken for
+    FSDP1's `wrap()` used as a value (manual wrapping, reported three times); the policies are apply_fully_shard's."""
+    source = (
+        "import functools\nimport torch.nn as nn\nimport torch.distributed.fsdp.wrap as torch_wrap\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n\n"
+        "def get_policy():\n"
+        "    layers = functools.partial(torch_wrap.transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})\n"
+        "    policies = [layers,\n"
+        "                functools.partial(torch_wrap.lambda_auto_wrap_policy, lambda_fn=lambda m: False)]\n"
+        "    return functools.partial(torch_wrap._or_policy, policies=policies)\n\n\n"
+        "def build(model):\n"
+        "    return FSDP(model, auto_wrap_policy=get_policy())\n"
+    )
+    result = migrate_source(source)
+    assert result.findings == [], [f.format("x.py") for f in result.findings]
+    assert "apply_fully_shard(model, get_policy())" in result.migrated
