@@ -68,8 +68,8 @@ class Bindings:
         found = [a for a in every if isinstance(a, Assignment)]
         if len(found) < 2 or len(found) != len(every):
             return None
-        positions = {id(a.node): self._order(a.node) for a in found}
-        at = self._order(name)
+        positions = {id(a.node): self.order(a.node) for a in found}
+        at = self.order(name)
         earlier = [a for a in found if positions[id(a.node)] < at]
         if not earlier or any(self.in_loop_around(name, a.node) for a in found if positions[id(a.node)] > at):
             return None
@@ -94,11 +94,12 @@ class Bindings:
         later = [positions[id(a.node)] for a in found if positions[id(a.node)] > positions[id(nearest.node)]]
         end = min(later, default=(1 << 62, 0))
         uses = tuple(
-            access.node for access in nearest.references if positions[id(nearest.node)] < self._order(access.node) < end
+            access.node for access in nearest.references if positions[id(nearest.node)] < self.order(access.node) < end
         )
         return Binding(statement, assign.value, uses)
 
-    def _order(self, node: cst.CSTNode) -> tuple[int, int]:
+    def order(self, node: cst.CSTNode) -> tuple[int, int]:
+        """Where `node` starts in the text, (line, column): earlier reads sort first."""
         start = self.positions[node].start
         return start.line, start.column
 

@@ -70,21 +70,20 @@ class _Decided:
 
 def _decide(path: str, function: str, kinds: Mapping[str, set[str]], followed: bool, decided: _Decided) -> None:
     """Sorts a function's parameters by what its calls hand them; `followed`: every use of it is one of them."""
+
+    def add(table: Params, param: str) -> None:
+        table.setdefault(path, {})[function] = table.get(path, {}).get(function, frozenset()) | {param}
+
     for param, seen in kinds.items():
         handed = bool(seen & {WRAPPED, MAYBE})
         if followed and seen == {PLAIN}:
-            where = decided.plain
+            add(decided.plain, param)
         elif followed and handed and UNKNOWN not in seen:
-            where = decided.wrapped
+            add(decided.wrapped, param)
             if seen != {WRAPPED}:
-                decided.maybe_plain.setdefault(path, {}).setdefault(function, frozenset())
-                decided.maybe_plain[path][function] |= {param}
+                add(decided.maybe_plain, param)
         elif handed:
-            where = decided.sometimes
-        else:
-            continue
-        where.setdefault(path, {}).setdefault(function, frozenset())
-        where[path][function] |= {param}
+            add(decided.sometimes, param)
 
 
 @dataclass(frozen=True)

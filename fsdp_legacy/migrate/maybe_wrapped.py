@@ -24,11 +24,6 @@ def _assignments(bindings: Bindings, read: cst.Name) -> list[tuple[Assignment, c
     return [(a, bindings.enclosing(a.node, cst.SimpleStatementLine)) for a in found]
 
 
-def _order(bindings: Bindings, node: cst.CSTNode) -> tuple[int, int]:
-    start = bindings.positions[node].start
-    return start.line, start.column
-
-
 def _runs_before(bindings: Bindings, statement: cst.SimpleStatementLine, read: cst.CSTNode) -> bool:
     """Whether `statement`, earlier in the text, runs whenever `read` does: it is one of the statements of a block
     holding `read` in the same function (early exits aside, which only skip `read`)."""
@@ -47,11 +42,8 @@ def before_wrapping(bindings: Bindings, read: cst.Name, wrapping: Collection[cst
     """Whether `read` comes before a statement of its scope that binds the name to the wrapped model (`model =
     FSDP(model)`, `model = build(model)`), where no earlier binding of the scope wrapped it: the module the program is
     about to wrap. A loop around both reads it again after the wrapping: not before it."""
-    at = _order(bindings, read)
-    bound = sorted(
-        ((_order(bindings, a.node), statement) for a, statement in _assignments(bindings, read) if statement),
-        key=lambda pair: pair[0],
-    )
+    at = bindings.order(read)
+    bound = [(bindings.order(a.node), statement) for a, statement in _assignments(bindings, read) if statement]
     before = [statement for start, statement in bound if start < at]
     wraps_after = [statement for start, statement in bound if start > at and statement in wrapping]
     if not wraps_after or any(statement in wrapping for statement in before):
@@ -67,16 +59,16 @@ def surely_wrapped(bindings: Bindings, read: cst.Name, wrapping: Collection[cst.
     bound = _assignments(bindings, read)
     if not any(statement in wrapping for _, statement in bound):
         return True
-    at = _order(bindings, read)
+    at = bindings.order(read)
     wraps = [
-        (_order(bindings, a.node), statement)
+        (bindings.order(a.node), statement)
         for a, statement in bound
-        if statement is not None and statement in wrapping and _order(bindings, a.node) < at
+        if statement is not None and statement in wrapping and bindings.order(a.node) < at
     ]
     ahead = [start for start, statement in wraps if _runs_before(bindings, statement, read)]
-    ahead += [_order(bindings, branch) for branch in _branches_ahead(bindings, read, wrapping)]
+    ahead += [bindings.order(branch) for branch in _branches_ahead(bindings, read, wrapping)]
     for a, statement in bound:
-        start = _order(bindings, a.node)
+        start = bindings.order(a.node)
         if start >= at or statement in wrapping:
             continue
         after_a_wrapping = statement is not None and any(

@@ -300,13 +300,14 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseE
     options = t._options(model or receiver, original)
     if options is None:
         return None  # under a state-dict type left to a person (reported)
+    fsdp2 = _fsdp2_state_dict_call(t, method, receiver, args, original, updated, options)
+    if fsdp2 is None:
+        return None
     default = all(m != (model or receiver) for m, _ in t.blocks) and original not in t.set_types.governed
     if default and maybe_plain(t, func.value, original):  # (FSDP1's type is the wrapped model's alone)
         t.need(FSDP2, FSDP_MODULE)
-        fsdp2 = _fsdp2_state_dict_call(t, method, receiver, args, original, updated, options)
-        return None if fsdp2 is None else t.expr(guarded(receiver, fsdp2, t.module.code_for_node(updated)))
-    fsdp2 = _fsdp2_state_dict_call(t, method, receiver, args, original, updated, options)
-    return None if fsdp2 is None else t.expr(fsdp2)
+        fsdp2 = guarded(receiver, fsdp2, t.module.code_for_node(updated))
+    return t.expr(fsdp2)
 
 
 def _fsdp2_state_dict_call(

@@ -43,7 +43,6 @@ from .type_blocks import Plan
 from .unwrap import with_leading as _with_leading
 
 _FSDP = "FullyShardedDataParallel"
-_FULL = "StateDictOptions(full_state_dict=True)"  # FSDP1's default state-dict type: FULL, on every rank
 
 
 class Fsdp1ToFsdp2(cst.CSTTransformer):
@@ -372,7 +371,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         governed = self.set_types.governed.get(node)
         if governed is not None:
             return governed.optim_options if optim else governed.model_options
-        return None if node in self.set_types.left else _FULL
+        return None if node in self.set_types.left else optim_loads.FULL
 
     # -- calls ---------------------------------------------------------------------------------------------------
 
