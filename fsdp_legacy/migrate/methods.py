@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, cast
 import libcst as cst
 from libcst.metadata import ParentNodeProvider
 
-from . import apply_call
+from . import apply_call, summon
 from .construction import FSDP2, RUNTIME
 from .maybe_wrapped import FSDP_MODULE, before_wrapping, guarded, surely_wrapped
-from .names import attribute_chain as _chain
+from .narrowed import BoundChains
 
 if TYPE_CHECKING:
     from .transformer import Fsdp1ToFsdp2
@@ -33,14 +33,13 @@ NO_SYNC = "without_gradient_sync"  # fsdp_legacy.migrate.runtime's no_sync() as 
 _COMPILED = "._orig_mod"
 
 
-class _Blocks(cst.CSTVisitor):
+class _Blocks(BoundChains):
     """In a function: the models of its state_dict_type blocks, and every name or attribute it assigns."""
 
     def __init__(self, t: Fsdp1ToFsdp2) -> None:
         super().__init__()
         self.t = t
         self.models: set[str] = set()
-        self.bound: set[str] = set()
 
     def visit_With(self, node: cst.With) -> None:
         options = self.t.plan.removed.get(node)
@@ -50,29 +49,6 @@ class _Blocks(cst.CSTVisitor):
             call = cast(cst.Call, node.items[0].item)
             if call.args and not call.args[0].keyword:
                 self.models.add(self.t.code(call.args[0].value))
-
-    def _bind(self, target: cst.BaseExpression) -> None:
-        chain = _chain(target)
-        if chain is not None:
-            self.bound.add(chain)
-        for child in target.children:
-            if isinstance(child, cst.BaseExpression):
-                self._bind(child)
-
-    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self._bind(node.target)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._bind(node.target)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._bind(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self._bind(node.target)
-
-    def visit_AsName(self, node: cst.AsName) -> None:
-        self._bind(cast(cst.BaseExpression, node.name))
 
 
 def function_models(t: Fsdp1ToFsdp2, node: cst.CSTNode) -> frozenset[str]:
@@ -126,7 +102,10 @@ def before_its_wrapping(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression) -> bool:
 def maybe_plain(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression, node: cst.CSTNode) -> bool:
     """Whether the model `receiver` holds at `node` may be another module on some runs (maybe_wrapped.py): a name
     whose wrapping does not run before every read, a function's model known from its state_dict_type blocks alone
-    (outside them it may be any module), or a parameter some call hands such a name or a plain module."""
+    (outside them it may be any module), or a parameter some call hands such a name or a plain module. Not one the
+    program checks is FSDP1's where it is used (narrowed.py)."""
+    if t.narrowing.unit(receiver, node):
+        return False
     if isinstance(receiver, cst.Name) and not surely_wrapped(t.resume.bindings, receiver, t.survey.wrapping):
         return True
     code = t.code(receiver)
@@ -189,6 +168,8 @@ def known(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> str | None:
     """The model `receiver` is (itself, or what `receiver._orig_mod` compiled) when the file knows it wrapped."""
     model = receiver[: -len(_COMPILED)] if receiver.endswith(_COMPILED) else receiver
     read = node.func if isinstance(node, cst.Call) else node  # `model.method` / `model.attribute`
+    if isinstance(read, cst.Attribute) and t.narrowing.unit(read.value, node):
+        return receiver  # (checked with `isinstance(receiver, FSDP)` where it is used: narrowed.py)
     if isinstance(read, cst.Attribute) and before_its_wrapping(t, read.value):
         return None
     if _parameter(t, model.partition(".")[0], node, t.facts.plain_params):
@@ -297,17 +278,36 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseE
         fix = "write it onto get_/set_model_state_dict with the StateDictOptions of that type"
         t.report(original, f"`{receiver}.{method}(...)`", why, fix)
         return None
+    default = all(m != (model or receiver) for m, _ in t.blocks) and original not in t.set_types.governed
+    if default and method == "state_dict" and not args and _gathered_whole(t, receiver, original):
+        return None  # FSDP1's full dict, as the module's own state_dict() gives it there (state-dict hooks included)
     options = t._options(model or receiver, original)
     if options is None:
         return None  # under a state-dict type left to a person (reported)
     fsdp2 = _fsdp2_state_dict_call(t, method, receiver, args, original, updated, options)
     if fsdp2 is None:
         return None
-    default = all(m != (model or receiver) for m, _ in t.blocks) and original not in t.set_types.governed
     if default and maybe_plain(t, func.value, original):  # (FSDP1's type is the wrapped model's alone)
         t.need(FSDP2, FSDP_MODULE)
         fsdp2 = guarded(receiver, fsdp2, t.module.code_for_node(updated))
     return t.expr(fsdp2)
+
+
+def _gathered_whole(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> bool:
+    """Whether `node` runs inside a summon_full_params block that becomes full_params over all of `receiver` on every
+    rank: there the module holds its full parameters as plain tensors, and its own `state_dict()` is FSDP1's full
+    dict (get_model_state_dict would refuse the keys a state-dict hook adds: mistral-finetune's LoRA merge)."""
+    current: cst.CSTNode | None = t.resume.bindings.parents.get(node)
+    while current is not None and not isinstance(current, (cst.FunctionDef, cst.Lambda)):
+        if isinstance(current, cst.With) and current in t.summons:
+            call = cast(cst.Call, current.items[0].item)
+            given = {a.keyword.value if a.keyword else summon.PARAMS[min(i, 5)]: a for i, a in enumerate(call.args)}
+            module, recurse, rank0 = given.get("module"), given.get("recurse"), given.get("rank0_only")
+            whole = recurse is None or t.code(recurse.value) == "True"
+            everywhere = rank0 is None or t.code(rank0.value) == "False"
+            return module is not None and t.code(module.value) == receiver and whole and everywhere
+        current = t.resume.bindings.parents.get(current)
+    return False
 
 
 def _fsdp2_state_dict_call(

@@ -17,7 +17,7 @@ import libcst as cst
 
 SUMMON = "FullyShardedDataParallel.summon_full_params"
 HELPER = "full_params"  # fsdp_legacy.migrate.runtime's counterpart
-_PARAMS = ("module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads")
+PARAMS = ("module", "recurse", "writeback", "rank0_only", "offload_to_cpu", "with_grads")
 
 # Calls that change a module's tensors without the trailing underscore of torch's in-place ops.
 _WRITING_CALLS = frozenset(
@@ -50,7 +50,7 @@ def plan(call: cst.Call, body: cst.CSTNode, is_container: Callable[[str], bool],
     """The rewrite of `with <call>: <body>` or why there is none."""
     args: list[cst.Arg] = []
     for index, arg in enumerate(call.args):
-        key = arg.keyword.value if arg.keyword else _PARAMS[index] if index < len(_PARAMS) else None
+        key = arg.keyword.value if arg.keyword else PARAMS[index] if index < len(PARAMS) else None
         if arg.star or key is None:
             why = "its arguments cannot be read from the source"
             return SummonPlan(problem=(call, "summon_full_params(*args/**kwargs)", why, _READ_FIX))

@@ -33,6 +33,7 @@ from .maybe_wrapped import FSDP_MODULE, guarded
 from .methods import attribute as _fsdp1_attribute
 from .methods import rewrite as _method
 from .names import FSDP1_MAPPED_KWARGS, advice, fsdp1_name
+from .narrowed import Narrowing
 from .removal import bare as _bare
 from .reorder import Placed, reorder
 from .report import Finding
@@ -95,6 +96,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self._precision_uses: dict[cst.CSTNode, bool] | None = None
         self._run_time_keywords: frozenset[str] = frozenset()  # (set with _precision_uses)
         self._alive: list[cst.CSTNode] = []  # every node whose id() keys one of the dicts above (see _key)
+        # objects a test of the program shows are FSDP1 units (`assert isinstance(m, FSDP)`)
+        self.narrowing = Narrowing(resume.bindings, lambda kind: self.fsdp1(kind) == _FSDP, self.code)
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
@@ -304,7 +307,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         if len(node.items) != 1 or not isinstance(node.items[0].item, cst.Call) or node.items[0].asname:
             return
         call = node.items[0].item
-        if self.fsdp1(call.func) == summon.SUMMON:
+        if self.fsdp1(call.func) == summon.SUMMON or self._summon_on_unit(call):
             plan = summon.plan(call, node.body, self._is_container, self.code)
             if plan.problem is not None:
                 where, what, why, fix = plan.problem
@@ -334,6 +337,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 self.unwrap[node] = self.code(func.value)
                 self.consumed.add(node.items[0])
                 self.no_sync_items.add(call)
+
+    def _summon_on_unit(self, call: cst.Call) -> bool:
+        """`unit.summon_full_params(unit, ...)` on a known FSDP1 object: FSDP1's static method, reached through it."""
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "summon_full_params"):
+            return False
+        return methods.known(self, self.code(func.value), call) is not None
 
     def _is_container(self, name: str) -> bool:
         values = [value for _, value in self.survey.assigned.get(name, [])]
@@ -381,7 +391,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
         """`model.module`, FSDP1's wrapped module, is the model itself under FSDP2."""
         _fsdp1_attribute(self, original)
-        if original.attr.value == "module" and self.code(original.value) in self.survey.models:
+        wrapped = self.code(original.value) in self.survey.models or self.narrowing.unit(original.value, original)
+        if original.attr.value == "module" and wrapped:
             self.consumed.add(original)
             if methods.maybe_plain(self, original.value, original):  # (DDP's wrapped module on the other runs)
                 self.need(FSDP2, FSDP_MODULE)
