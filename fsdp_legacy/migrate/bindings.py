@@ -127,15 +127,24 @@ class Bindings:
         return current is outer
 
     def count_in_scope(self, name: str, node: cst.CSTNode) -> int:
-        """How often `name` occurs in the function (or module) holding `node`, functions inside it included."""
+        """How often the variable `name` occurs in the function (or module) holding `node`, functions inside it
+        included."""
         scope: cst.CSTNode | None = node
         while scope is not None and not isinstance(scope, (cst.FunctionDef, cst.Module)):
             scope = self.parents.get(scope)
         found = Counter[str]()
 
-        class _Count(cst.CSTVisitor):
+        class _Count(cst.CSTVisitor):  # variables only: not `x.name`'s attribute, nor `f(name=...)`'s keyword
             def visit_Name(self, n: cst.Name) -> None:
                 found[n.value] += 1
+
+            def visit_Attribute(self, n: cst.Attribute) -> bool:
+                n.value.visit(self)
+                return False
+
+            def visit_Arg(self, n: cst.Arg) -> bool:
+                n.value.visit(self)
+                return False
 
         (scope or node).visit(_Count())
         return found[name]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, cast
 import libcst as cst
 from libcst.metadata import ParentNodeProvider
 
-from . import apply_call, summon
+from . import apply_call, beside, summon
 from .construction import FSDP2, RUNTIME
 from .maybe_wrapped import FSDP_MODULE, before_wrapping, guarded, surely_wrapped
 from .narrowed import BoundChains
@@ -256,7 +256,7 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseE
         t.report(original, f"`{receiver}.{method}(...)`", why, fix)
         return None
     if model is None and original not in t.set_types.governed:
-        return None
+        return beside.rewrite(t, original, updated, args) if method in ("state_dict", "load_state_dict") else None
     outside = model is not None and model not in t.survey.models and all(m != model for m, _ in t.blocks)
     if method == "no_sync" and not args and original not in t.no_sync_items and model is not None:
         t.need(RUNTIME, NO_SYNC)  # `ctx = model.no_sync()` entered later: the same, as a context manager

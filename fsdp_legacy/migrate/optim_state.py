@@ -121,7 +121,9 @@ def save(api: str, call: cst.Call, code: Code, options: str) -> str | Refusal:
     args = _bind(api, call, code)
     if isinstance(args, Refusal):
         return args
-    if api == "optim_state_dict" and code(args.get("optim_state_dict", cst.Name("None"))) != "None":
+    given = code(args.get("optim_state_dict", cst.Name("None")))
+    # (the optimizer's own `optim.state_dict()` is what FSDP1 converts when none is given: Infinity passes it)
+    if api == "optim_state_dict" and given not in ("None", f"{code(args['optim'])}.state_dict()"):
         why = "a state dict passed in to convert is not mapped"
         return Refusal("FSDP.optim_state_dict(..., optim_state_dict=...)", why)
     if api == "full_optim_state_dict":

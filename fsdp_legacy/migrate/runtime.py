@@ -12,7 +12,8 @@ into apply_fully_shard's, `fully_shard_fsdp1` is `FSDP(module, **kwargs)` all ma
 `partial(FSDP, ...)`), and `hybrid_mesh` FSDP1's HYBRID_SHARD pair of process groups into FSDP2's 2-D mesh
 (keywords_runtime.py); `unshared_optim_state`, `rekey_optim_state_dict` and `loaded_optim_state_dict` carry FSDP1's
 optimizer state dicts over (optim_runtime.py); `full_state_dict_options` and `sharded_state_dict_options` build
-FSDP1's state-dict configs as StateDictOptions at run time (options_runtime.py).
+FSDP1's state-dict configs as StateDictOptions at run time (options_runtime.py); `state_dict_beside` and
+`load_state_dict_beside` another object's state-dict calls inside a block on one model (beside_runtime.py).
 `without_gradient_sync(model)` is FSDP1's `model.no_sync()` where the context is a value, entered later."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..wrap import LegacyPolicy, _Policy, auto_wrap
+from .beside_runtime import load_state_dict_beside, state_dict_beside
 from .keywords_runtime import fsdp1_options, hybrid_mesh
 from .names import FSDP1_DROPPED_KWARGS
 from .optim_runtime import loaded_optim_state_dict, rekey_optim_state_dict, unshared_optim_state
@@ -44,9 +46,11 @@ __all__ = [
     "fully_shard_fsdp1",
     "full_state_dict_options",
     "hybrid_mesh",
+    "load_state_dict_beside",
     "loaded_optim_state_dict",
     "rekey_optim_state_dict",
     "sharded_state_dict_options",
+    "state_dict_beside",
     "state_dict_type_options",
     "unshared_optim_state",
     "without_gradient_sync",

@@ -5,6 +5,7 @@ torch.distributed.checkpoint.state_dict's helpers."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any, cast
 
 import libcst as cst
@@ -84,6 +85,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.kept_blocks: set[cst.With] = set()
         self.unwrap: dict[cst.With, str] = {}  # with-statements to replace by their body: "state_dict", no_sync's model
         self.removed: set[str] = set()  # code of dead policy assignments, taken out by a second pass
+        self.dead_uses: Counter[str] = Counter()  # name -> its uses the rewrites consumed (_drop_if_dead)
         self.load_defs: dict[int, optim_loads.PendingLoad] = {}  # id(statement) -> the to-load call it assigns
         # id(`optim.load_state_dict(name)`) -> (optim, name, the call as read)
         self.load_uses: dict[int, tuple[str, str, cst.Call]] = {}
@@ -258,9 +260,13 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             self.consumed.update(construction.policy_names(defs[0], self.fsdp1))
 
     def _drop_if_dead(self, name: str, rewritten: str = "") -> None:
-        """Take out `name = ...` when the rewrite consumed its only use (and does not name it in `rewritten`)."""
+        """Take out `name = ...` when the rewrites consumed every use (and do not name it in `rewritten`): a policy
+        shared by two constructions goes with the second."""
         uses = self.survey.assigned.get(name, [])
-        if len(uses) == 1 and self.survey.name_count[name] == 2 and not re.search(rf"\b{name}\b", rewritten):
+        if re.search(rf"\b{name}\b", rewritten):
+            return
+        self.dead_uses[name] += 1
+        if len(uses) == 1 and self.survey.name_count[name] == 1 + self.dead_uses[name]:
             self.removed.add(_bare(uses[0][0]))
             self.consumed.add(uses[0][0])
             RemoveImportsVisitor.remove_unused_import(self.context, "functools")

@@ -33,7 +33,7 @@ _HARMLESS = frozenset(
 _SAVES_OR_LOADS = ("save", "load", "checkpoint", "state_dict")
 # the options of a block no call under which reads its type (Lumina's LOCAL block around `opt.state_dict()`): any
 # type, taken away as it is; no call takes these
-_NO_CALL = "StateDictOptions()"
+NO_CALL = "StateDictOptions()"
 # tensor-file writers and readers that see only the tensors handed to them (fsdp_qlora saves with save_file)
 _TENSOR_FILES = frozenset(
     f"safetensors.torch.{name}" for name in ("save_file", "load_file", "save", "load")
@@ -80,7 +80,7 @@ class TypeBlocks(cst.CSTVisitor):
         if options is None and call.args and not call.args[0].keyword and not any(a.star for a in call.args):
             model = self.code(call.args[0].value)
             if reads_nothing(_Reads(self, self.bindings, set()), node, model):
-                options = TypeOptions(model, _NO_CALL, _NO_CALL)  # a block under which nothing reads its type
+                options = TypeOptions(model, NO_CALL, NO_CALL)  # a block under which nothing reads its type
         self.blocks[node] = (call, options)
 
     def leave_With(self, original_node: cst.With) -> None:
@@ -121,7 +121,7 @@ class TypeBlocks(cst.CSTVisitor):
         return Plan(removed, keep, configs)
 
 
-def _related(chain: str, model: str) -> bool:
+def related(chain: str, model: str) -> bool:
     """The model itself, an object it hangs from (`self` for `self._model`), or something inside it."""
     return chain == model or model.startswith(chain + ".") or chain.startswith(model + ".")
 
@@ -177,7 +177,7 @@ class _Reads:
             return "a state-dict call not on the block's model, or not in a form this tool maps"
         if isinstance(func, cst.Attribute) and name not in _HARMLESS:
             receiver = _chain(func.value)
-            if receiver is not None and _related(receiver, model):
+            if receiver is not None and related(receiver, model):
                 return f"a call on `{receiver}`, which is or holds `{model}`"
         if any(self._mentions(arg.value, model) for arg in call.args):
             return f"a call handed `{model}` (or an object holding it)"
@@ -191,8 +191,13 @@ class _Reads:
             return False
         chain = _chain(node)
         if chain is not None:
-            return _related(chain, model)
+            return related(chain, model)
         return any(self._mentions(child, model) for child in node.children)
+
+
+def torch_optimizer(visitor: cst.MetadataDependent, bindings: Bindings, node: cst.BaseExpression) -> bool:
+    """Whether `node` is a torch optimizer the text shows (`_Reads.optimizer`)."""
+    return _Reads(visitor, bindings, set()).optimizer(node)
 
 
 # what a block may call and still read nothing of its type (besides an optimizer's state-dict calls): a block whose

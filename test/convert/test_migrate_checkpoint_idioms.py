@@ -121,7 +121,11 @@ def test_the_migrated_handler_saves_and_loads_what_fsdp1_does(ranks: Any) -> Non
 
 _KEPT = {
     "trainer.save_model()": ("trainer.model", "trainer.save_model(path)"),
-    "a state-dict call on another object": ("model", "saved = {'a': model.state_dict(), 'b': inner.state_dict()}"),
+    # (`inner.state_dict()` alone becomes state_dict_beside: test_migrate_ema_beside.py)
+    "another object's call in a form not mapped": (
+        "model",
+        "saved = {'a': model.state_dict(), 'b': inner.state_dict(d)}",
+    ),
     "a method on the object holding the model": ("self._model", "sd = self._model.state_dict()\nself.write(sd)"),
     "the model handed to a call": ("model", "sd = model.state_dict()\ncheckpoint.save({'model': model})"),
     "a form not mapped": ("model", "sd = model.state_dict(prefix='x.')"),
