@@ -1,5 +1,6 @@
 """FSDP1's class in an annotation (`def setup_fsdp_sync(model) -> FSDP:`, `Optional[FSDP]`) as FSDP2's FSDPModule,
-which every fully_shard module is (evaluated where the function is defined: the name must be)."""
+which every fully_shard module is (evaluated where the function is defined: the name must be). `-> MixedPrecision`
+stays as written where the file's constructions read their precision at run time: the policies stay FSDP1's."""
 
 from __future__ import annotations
 
@@ -13,11 +14,18 @@ if TYPE_CHECKING:
     from .transformer import Fsdp1ToFsdp2
 
 _FSDP = "FullyShardedDataParallel"
+# FSDP1 classes whose objects stay FSDP1's where a construction reads that keyword at run time (fsdp1_options)
+_KEPT_CLASSES = {"MixedPrecision": "mixed_precision", "CPUOffload": "cpu_offload"}
 
 
 def annotation(t: Fsdp1ToFsdp2, original: cst.Annotation, updated: cst.Annotation) -> cst.Annotation:
     """FSDP1's class in an annotation (`def setup_fsdp_sync(model) -> FSDP:`, `Optional[FSDP]`) is FSDP2's
     FSDPModule, which every fully_shard module is (evaluated where the function is defined: the name must be)."""
+    kept = [name for name, keyword in _KEPT_CLASSES.items() if keyword in t._at_run_time]
+    if kept:  # (the values a construction reads at run time stay FSDP1's objects: so does their annotation)
+        classes = _FsdpNames(t, frozenset(kept))
+        original.visit(classes)
+        t.consumed.update(classes.nodes)
     found = _FsdpNames(t)
     original.visit(found)
     if not found.codes:
@@ -30,12 +38,12 @@ def annotation(t: Fsdp1ToFsdp2, original: cst.Annotation, updated: cst.Annotatio
 class _FsdpNames(cst.CSTVisitor):
     """The names of FSDP1's class under a node of the file as read (their code, and the nodes)."""
 
-    def __init__(self, t: Fsdp1ToFsdp2) -> None:
+    def __init__(self, t: Fsdp1ToFsdp2, classes: frozenset[str] = frozenset({_FSDP})) -> None:
         super().__init__()
-        self.t, self.codes, self.nodes = t, set[str](), list[cst.CSTNode]()
+        self.t, self.classes, self.codes, self.nodes = t, classes, set[str](), list[cst.CSTNode]()
 
     def _see(self, node: cst.Name | cst.Attribute) -> bool:
-        if self.t.fsdp1(node) == _FSDP:
+        if self.t.fsdp1(node) in self.classes:
             self.codes.add(self.t.code(node))
             self.nodes.append(node)
             return False

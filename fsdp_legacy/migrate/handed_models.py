@@ -202,8 +202,8 @@ def _handovers(path: str, wrapper: MetadataWrapper, shared: Shared, models: _Mod
             func, target = node.func, None
             if isinstance(func, cst.Name) and func.value in functions:
                 target = functions[func.value]
-            elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value in modules:
-                target = (modules[func.value.value], func.attr.value)
+            elif isinstance(func, cst.Attribute) and cst.Module([]).code_for_node(func.value) in modules:
+                target = (modules[cst.Module([]).code_for_node(func.value)], func.attr.value)  # (`util.ckpt.save`)
             if target is None or target[0] == path:
                 return
             if any(cst.Module([]).code_for_node(a.value) in models.names for a in node.args):

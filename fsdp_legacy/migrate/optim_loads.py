@@ -5,11 +5,13 @@ calls' own mapping; these functions place it in the file, for the transformer)."
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import libcst as cst
+from libcst.metadata import ParentNodeProvider
 
 from . import optim_state
 from .construction import RUNTIME
@@ -86,7 +88,7 @@ def load_def(
         return updated.with_changes(body=[assign.with_changes(value=t.expr(code))])
     if uses != 2:  # the assignment and the load
         why = (
-            f"`{name}` is never used"
+            f"`{name}` is never used: FSDP1 converted the dict there and loaded nothing (the optimizer kept its state)"
             if uses < 2
             else f"`{name}` is used elsewhere too, where only `optimizer.load_state_dict({name})` has an FSDP2 form"
         )
@@ -140,17 +142,19 @@ def optim_call(t: Fsdp1ToFsdp2, api: str, call: cst.Call) -> cst.BaseExpression 
     """An optimizer-state call in an expression (optim_state.py): a save or a re-keying; the to-load calls are
     rewritten with the load_state_dict call that takes their result."""
     if api in optim_state.LOADS:
-        return None
+        direct = api == "optim_state_dict_to_load" and _loads_directly(t, call)
+        return optim_load(t, call, direct, directly=True) if direct else None
     if api == optim_state.REKEY:
         code = optim_state.rekey(call, t.code, t.fsdp1)
         if not isinstance(code, optim_state.Refusal):
             t.need(RUNTIME, "rekey_optim_state_dict")
     else:
-        model = t.code(call.args[0].value) if call.args and not call.args[0].keyword else ""
+        model = next((t.code(a.value) for a in call.args if a.keyword and a.keyword.value == "model"), "")
+        model = t.code(call.args[0].value) if call.args and not call.args[0].keyword else model  # (or by keyword)
         options = t._options(model, call, optim=True) if api == "optim_state_dict" else FULL
         if options is None:
             return None
-        code = optim_state.save(api, call, t.code, options)
+        code = optim_state.save(api, call, t.code, options, lambda given, optim: _own_state(t, call, given, optim))
         if not isinstance(code, optim_state.Refusal):
             t._need_helpers("get_optimizer_state_dict")
     if isinstance(code, optim_state.Refusal):
@@ -159,10 +163,41 @@ def optim_call(t: Fsdp1ToFsdp2, api: str, call: cst.Call) -> cst.BaseExpression 
     return t.expr(code)
 
 
-def optim_load(t: Fsdp1ToFsdp2, call: cst.Call, optimizer: str) -> cst.BaseExpression | None:
-    """`optimizer.load_state_dict(FSDP.<to-load API>(...))` as set_optimizer_state_dict, which loads."""
+def _own_state(t: Fsdp1ToFsdp2, call: cst.Call, given: cst.BaseExpression, optim: str) -> bool:
+    """Whether `given` is `optim.state_dict()`, written there or bound once to a name by an earlier statement of
+    the call's block with nothing between naming the optimizer (it could step or load)."""
+    own = f"{optim}.state_dict()"
+    if t.code(given) == own:
+        return True
+    binding = t.resume.bindings.single(given) if isinstance(given, cst.Name) else None
+    if binding is None or t.code(binding.value) != own or len(binding.uses) != 1:
+        return False
+    bindings = t.resume.bindings
+    statement = bindings.enclosing(call, cst.SimpleStatementLine)
+    block = bindings.parents.get(binding.statement)
+    if statement is None or bindings.parents.get(statement) is not block or not isinstance(block, cst.IndentedBlock):
+        return False
+    body = list(block.body)
+    between = body[body.index(binding.statement) + 1 : body.index(statement)]
+    return all(not re.search(rf"\b{re.escape(optim)}\b", t.code(s)) for s in between)
+
+
+def _loads_directly(t: Fsdp1ToFsdp2, call: cst.Call) -> str:
+    """The optimizer of `FSDP.optim_state_dict_to_load(model, optim, osd, load_directly=True)` written as a
+    statement (the distributed-training-guide's resume), which FSDP1 loads into it; "" for any other form."""
+    statement = t.get_metadata(ParentNodeProvider, call, None)
+    given = {a.keyword.value: a.value for a in call.args if a.keyword}
+    if not isinstance(statement, cst.Expr) or t.code(given.get("load_directly", cst.Name("False"))) != "True":
+        return ""
+    loading = optim_state.load("optim_state_dict_to_load", call, t.code, _is_model(t, call), directly=True)
+    return loading.optim or "" if isinstance(loading, optim_state.Load) else ""
+
+
+def optim_load(t: Fsdp1ToFsdp2, call: cst.Call, optimizer: str, directly: bool = False) -> cst.BaseExpression | None:
+    """`optimizer.load_state_dict(FSDP.<to-load API>(...))` as set_optimizer_state_dict, which loads (`directly`:
+    the to-load call alone, `load_directly=True`, loading into its own `optim`)."""
     api = cast(str, optim_state.api_of(t.fsdp1(call.func)))
-    loading = optim_state.load(api, call, t.code, _is_model(t, call))
+    loading = optim_state.load(api, call, t.code, _is_model(t, call), directly)
     code: str | optim_state.Refusal = loading if isinstance(loading, optim_state.Refusal) else ""
     if isinstance(loading, optim_state.Load):
         options = optim_state.load_options(api) or t._options(loading.model, call, optim=True)

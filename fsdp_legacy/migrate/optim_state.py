@@ -92,7 +92,7 @@ _BEFORE_2_1 = ("optim_state_dict", "model", "optim")
 
 
 def _bind(
-    api: str, call: cst.Call, code: Code, is_model: Callable[[str], bool] | None = None
+    api: str, call: cst.Call, code: Code, is_model: Callable[[str], bool] | None = None, directly: bool = False
 ) -> dict[str, cst.BaseExpression] | Refusal:
     required, params = _PARAMS[api]
     positional = [a.value for a in call.args if a.keyword is None and not a.star]
@@ -106,6 +106,8 @@ def _bind(
             return Refusal(f"FSDP.{api}(...)", "its arguments cannot be read from the source (*args, **kwargs)")
         bound[key] = arg.value
     for key, default in _ONLY_AT.items():
+        if directly and key == "load_directly":
+            continue  # (a statement that loads: what set_optimizer_state_dict does)
         if key in bound and code(bound[key]) != default:
             why = f"`{key}` has no FSDP2 counterpart (mapped only at FSDP1's default, {default})"
             return Refusal(f"FSDP.{api}(..., {key}={code(bound[key])})", why, _ONLY_AT_FIX.get(key, _FIX))
@@ -115,15 +117,23 @@ def _bind(
     return bound
 
 
-def save(api: str, call: cst.Call, code: Code, options: str) -> str | Refusal:
+def save(
+    api: str, call: cst.Call, code: Code, options: str, own: Callable[[cst.BaseExpression, str], bool]
+) -> str | Refusal:
     """`get_optimizer_state_dict(...)` for a save; `options` is what the model's state-dict type gives
-    FSDP.optim_state_dict (the legacy saves have their own)."""
+    FSDP.optim_state_dict (the legacy saves have their own). `own(value, optim)`: whether a dict passed in is the
+    optimizer's own `optim.state_dict()`, which FSDP1 converts when none is given (Infinity passes it, modalities
+    through a name)."""
     args = _bind(api, call, code)
     if isinstance(args, Refusal):
         return args
-    given = code(args.get("optim_state_dict", cst.Name("None")))
-    # (the optimizer's own `optim.state_dict()` is what FSDP1 converts when none is given: Infinity passes it)
-    if api == "optim_state_dict" and given not in ("None", f"{code(args['optim'])}.state_dict()"):
+    given = args.get("optim_state_dict")
+    if (
+        api == "optim_state_dict"
+        and given is not None
+        and code(given) != "None"
+        and not own(given, code(args["optim"]))
+    ):
         why = "a state dict passed in to convert is not mapped"
         return Refusal("FSDP.optim_state_dict(..., optim_state_dict=...)", why)
     if api == "full_optim_state_dict":
@@ -138,10 +148,13 @@ def save(api: str, call: cst.Call, code: Code, options: str) -> str | Refusal:
     return f"get_optimizer_state_dict({code(args['model'])}, {code(args['optim'])}, options={options})"
 
 
-def load(api: str, call: cst.Call, code: Code, is_model: Callable[[str], bool] | None = None) -> Load | Refusal:
+def load(
+    api: str, call: cst.Call, code: Code, is_model: Callable[[str], bool] | None = None, directly: bool = False
+) -> Load | Refusal:
     """The to-load call's model, state dict and optimizer (`is_model`: whether a code is a model the file knows
-    wrapped, which tells the pre-2.1 order of optim_state_dict_to_load's arguments)."""
-    args = _bind(api, call, code, is_model)
+    wrapped, which tells the pre-2.1 order of optim_state_dict_to_load's arguments; `directly`: a statement with
+    `load_directly=True`)."""
+    args = _bind(api, call, code, is_model, directly)
     if isinstance(args, Refusal):
         return args
     osd = next(args[p] for p in ("optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict") if p in args)

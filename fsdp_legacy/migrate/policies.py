@@ -183,15 +183,21 @@ class Shared:
         return {n: o for n, o in self.exports[path].items() if o[0] != path and n not in read.assigned}
 
     def _modules(self, path: str) -> dict[str, str]:
-        """`import m as local` (or `from pkg import m as local`) of a program file: local -> that file."""
+        """`import m as local` (or `from pkg import m as local`) of a program file: local -> that file; and a
+        package's submodules the file reads as its attributes (Lumina-mGPT's `import xllmx.util as util`, then
+        `util.ckpt.save(...)`): `util.ckpt` -> xllmx/util/ckpt.py, the package's own file given or not."""
         found = {}
-        for imp in self.files[path].imports:
+        read = self.files[path]
+        for imp in read.imports:
             if imp.name == "*":
                 continue
             if imp.name is not None:  # `from pkg import module`
                 imp = _Import(f"{imp.module}.{imp.name}" if imp.module else imp.name, imp.level, None, imp.local)
             for source in self._resolve(path, imp):
                 found[imp.local] = source
+            for sub in sorted({r.name for r in read.references if r.attribute_of == imp.local}):
+                for source in self._resolve(path, _Import(f"{imp.module}.{sub}", imp.level, None, imp.local)):
+                    found[f"{imp.local}.{sub}"] = source
         return found
 
     def imported_modules(self, path: str) -> dict[str, str]:
@@ -199,7 +205,8 @@ class Shared:
         return self._modules(path)
 
     def imports_from(self, path: str) -> set[str]:
-        """The program's files that `path` imports anything from (names, modules, submodules)."""
+        """The program's files that `path` imports anything from (names, modules, submodules, also a package's
+        submodules it reads as attributes: Lumina-mGPT's `import xllmx.util as util`, then `util.ckpt.save(...)`)."""
         found = set(self._modules(path).values())
         for imp in self.files[path].imports:
             if imp.name is not None:

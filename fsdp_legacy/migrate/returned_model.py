@@ -141,7 +141,14 @@ def _sites(
     gets the module-level functions that other files import (cross_file.py may follow their callers there)."""
     name = function.name.value
     cls = _class_of(function, parents, module) if builder else None
-    if function.decorators or _yields(function) or (parents.get(function) is not module and cls is None):
+    static = cls is not None and [cst.Module([]).code_for_node(d.decorator) for d in function.decorators] == [
+        "staticmethod"
+    ]
+    if (
+        (function.decorators and not static)
+        or _yields(function)
+        or (parents.get(function) is not module and cls is None)
+    ):
         kind = "module-level function or method" if builder else "module-level function"
         return f"`{name}` returns {what} but is not a plain {kind}"
     public = cls.name.value if cls is not None else name
