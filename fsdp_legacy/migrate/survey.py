@@ -57,6 +57,10 @@ class Survey(cst.CSTVisitor):
         self.builders = Builders()  # functions returning the wrapped model to their callers (follow_builders)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.bound_otherwise.add(node.name.value)
+        self._checkpointing_only(node)
+
+    def _checkpointing_only(self, node: cst.FunctionDef) -> None:
         """A function that only applies activation checkpointing (besides local names, prints and its docstring)
         can move with its call; one that does more cannot."""
         self.functions.setdefault(node.name.value, []).append(node)
@@ -95,6 +99,14 @@ class Survey(cst.CSTVisitor):
             self._bound_otherwise(target.value)
 
     def visit_Param(self, node: cst.Param) -> None:
+        self.bound_otherwise.add(node.name.value)
+
+    def visit_ImportAlias(self, node: cst.ImportAlias) -> None:
+        if node.asname is None:  # (`import a.b` binds `a`; an `as` name is an AsName, below)
+            name = cst.Module([]).code_for_node(node.name).split(".")[0]
+            self.bound_otherwise.add(name)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.bound_otherwise.add(node.name.value)
 
     def visit_For(self, node: cst.For) -> None:

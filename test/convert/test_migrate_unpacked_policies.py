@@ -100,3 +100,22 @@ def test_the_migrated_program_trains_in_bf16_as_fsdp1(ranks: Any) -> None:
             assert dtypes1 == dtypes2 == ["torch.bfloat16"]
             assert losses2 == pytest.approx(losses1, rel=1e-3)  # bf16 (docs/migration.md: FSDP1 vs FSDP2 in bf16)
         assert torch.tensor(seen["fsdp1", (True, False)][0]).ne(torch.tensor(seen["fsdp1", (True, True)][0])).any()
+
+
+@pytest.mark.parametrize(
+    "binding",
+    [
+        "from config import mp_policy\n",  # imported; the None below is another function's local
+        "mp_policy, other = None, None\n",
+        "for mp_policy in (None,):\n    pass\n",
+    ],
+    ids=["imported", "unpacked", "loop"],
+)
+def test_a_name_bound_twice_in_any_way_is_read_at_run_time(binding: str) -> None:
+    source = (
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        + binding
+        + "\n\ndef helper():\n    mp_policy = None\n    return mp_policy\n"
+        + "\n\ndef main(net):\n    model = FSDP(net, mixed_precision=mp_policy)\n"
+    )
+    assert "fsdp1_options(mixed_precision=mp_policy)" in migrate_source(source).migrated
