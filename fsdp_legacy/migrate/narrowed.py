@@ -10,8 +10,8 @@ rebinds between the test and the use, and no function or class defined in betwee
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from typing import cast
 
 import libcst as cst
 
@@ -24,19 +24,23 @@ _COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)
 
 
 class BoundChains(cst.CSTVisitor):
-    """Every name or attribute chain the visited code binds (assignments, loops, `with ... as`, `:=`)."""
+    """How often the visited code binds each name or attribute chain (assignments, unpacking, loops, `with ... as`,
+    `:=`); with `every`, the names parameters, imports, defs, classes and comprehensions bind too."""
 
-    def __init__(self) -> None:
+    def __init__(self, every: bool = False) -> None:
         super().__init__()
-        self.bound: set[str] = set()
+        self.every = every
+        self.bound: Counter[str] = Counter()
 
     def bind(self, target: cst.BaseExpression) -> None:
         chain = attribute_chain(target)
         if chain is not None:
-            self.bound.add(chain)
-        for child in target.children:
-            if isinstance(child, cst.BaseExpression):
-                self.bind(child)
+            self.bound[chain] += 1
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for element in target.elements:
+                self.bind(element.value)
+        elif isinstance(target, cst.StarredElement):
+            self.bind(target.value)
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self.bind(node.target)
@@ -51,10 +55,31 @@ class BoundChains(cst.CSTVisitor):
         self.bind(node.target)
 
     def visit_AsName(self, node: cst.AsName) -> None:
-        self.bind(cast(cst.BaseExpression, node.name))
+        if isinstance(node.name, cst.BaseExpression):
+            self.bind(node.name)
 
     def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
         self.bind(node.target)
+
+    def visit_CompFor(self, node: cst.CompFor) -> None:
+        if self.every:
+            self.bind(node.target)
+
+    def visit_Param(self, node: cst.Param) -> None:
+        if self.every:
+            self.bind(node.name)
+
+    def visit_ImportAlias(self, node: cst.ImportAlias) -> None:
+        if self.every and node.asname is None:  # (`import a.b` binds `a`; an `as` name is an AsName)
+            self.bound[cst.Module([]).code_for_node(node.name).split(".")[0]] += 1
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        if self.every:
+            self.bind(node.name)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        if self.every:
+            self.bind(node.name)
 
 
 def _rebinds(nodes: list[cst.CSTNode], chain: str, targets: tuple[cst.BaseExpression, ...] = ()) -> bool:

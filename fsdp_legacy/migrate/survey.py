@@ -10,6 +10,7 @@ import libcst as cst
 from libcst.metadata import QualifiedNameProvider
 
 from .names import FSDP1_IMPORT_MODULES, fsdp1_name
+from .narrowed import BoundChains
 from .partials import is_fsdp_partial
 from .returned_model import Builders, Parents, builders
 
@@ -38,8 +39,7 @@ class Survey(cst.CSTVisitor):
         super().__init__()
         self.models: set[str] = set()
         self.assigned: dict[str, list[tuple[cst.SimpleStatementLine, cst.BaseExpression]]] = {}
-        # names also bound otherwise: unpacked, a loop's or `with`'s target, a parameter, `+=`, `:=`, `a = b = ...`
-        self.bound_otherwise: set[str] = set()
+        self.bindings = BoundChains(every=True)  # every binding of each name (assigned: the `name = value` ones)
         self.name_count: Counter[str] = Counter()
         self.fsdp1_imports: list[tuple[str, str, str | None]] = []
         self.checkpointing_functions: set[str] = set()
@@ -56,11 +56,10 @@ class Survey(cst.CSTVisitor):
         self.runs_fsdp1_calls = False
         self.builders = Builders()  # functions returning the wrapped model to their callers (follow_builders)
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self.bound_otherwise.add(node.name.value)
-        self._checkpointing_only(node)
+    def visit_Module(self, node: cst.Module) -> None:
+        node.visit(self.bindings)
 
-    def _checkpointing_only(self, node: cst.FunctionDef) -> None:
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         """A function that only applies activation checkpointing (besides local names, prints and its docstring)
         can move with its call; one that does more cannot."""
         self.functions.setdefault(node.name.value, []).append(node)
@@ -89,52 +88,8 @@ class Survey(cst.CSTVisitor):
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         self.meta |= node.evaluated_value == "meta"
 
-    def _bound_otherwise(self, target: cst.BaseExpression) -> None:
-        if isinstance(target, cst.Name):
-            self.bound_otherwise.add(target.value)
-        elif isinstance(target, (cst.Tuple, cst.List)):
-            for element in target.elements:
-                self._bound_otherwise(element.value)
-        elif isinstance(target, cst.StarredElement):
-            self._bound_otherwise(target.value)
-
-    def visit_Param(self, node: cst.Param) -> None:
-        self.bound_otherwise.add(node.name.value)
-
-    def visit_ImportAlias(self, node: cst.ImportAlias) -> None:
-        if node.asname is None:  # (`import a.b` binds `a`; an `as` name is an AsName, below)
-            name = cst.Module([]).code_for_node(node.name).split(".")[0]
-            self.bound_otherwise.add(name)
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.bound_otherwise.add(node.name.value)
-
-    def visit_For(self, node: cst.For) -> None:
-        self._bound_otherwise(node.target)
-
-    def visit_CompFor(self, node: cst.CompFor) -> None:
-        self._bound_otherwise(node.target)
-
-    def visit_AsName(self, node: cst.AsName) -> None:
-        if isinstance(node.name, cst.BaseExpression):
-            self._bound_otherwise(node.name)
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self._bound_otherwise(node.target)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._bound_otherwise(node.target)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._bound_otherwise(node.target)
-
     def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
         for small in node.body:
-            if isinstance(small, cst.Assign) and (
-                len(small.targets) > 1 or not isinstance(small.targets[0].target, cst.Name)
-            ):
-                for each in small.targets:
-                    self._bound_otherwise(each.target)
             if isinstance(small, cst.Assign) and len(small.targets) == 1:
                 target = small.targets[0].target
                 if isinstance(target, cst.Name):
@@ -179,7 +134,9 @@ class Survey(cst.CSTVisitor):
         """A name the file assigns exactly once (`name = value`) and binds in no other way, as its value; anything
         else as it is (t5_11 binds `mp_policy` by unpacking a tuple, then `mp_policy = None` under a flag: its
         `mixed_precision=mp_policy` is not the None of the second)."""
-        if isinstance(node, cst.Name) and node.value not in self.bound_otherwise:
-            if len(self.assigned.get(node.value, [])) == 1:
-                return self.assigned[node.value][0][1]
+        if (
+            isinstance(node, cst.Name)
+            and len(self.assigned.get(node.value, [])) == self.bindings.bound[node.value] == 1
+        ):
+            return self.assigned[node.value][0][1]
         return node

@@ -38,8 +38,12 @@ def _findings(body: str) -> list[str]:
         # `or`: the check may have failed
         "    for unit in model.modules():\n        if isinstance(unit, FSDP) or unit is other:\n"
         "            with unit.summon_full_params(unit):\n                pass\n",
+        # a loop unpacking into the name after the check (the rebinding check once saw no unpacked names)
+        "    for unit in model.modules():\n        assert isinstance(unit, FSDP)\n"
+        "        for key, unit in other.items():\n            with unit.summon_full_params(unit):\n"
+        "                pass\n",
     ],
-    ids=["rebound", "another-object", "closure", "or"],
+    ids=["rebound", "another-object", "closure", "or", "rebound-by-unpacking"],
 )
 def test_a_check_that_may_not_hold_leaves_the_call_reported(body: str) -> None:
     assert any("summon_full_params" in what for what in _findings(body))
