@@ -22,10 +22,13 @@ _OWN_STATE = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch
 
 def _options(obj: Any, block_model: nn.Module, options: StateDictOptions) -> StateDictOptions | None:
     """The options FSDP1's type gives `obj`'s state-dict call inside a block on `block_model`; None where it is the
-    object's own call (a plain module, an optimizer, a scheduler, a gradient scaler)."""
+    object's own call (a plain module, an optimizer, a scheduler, a gradient scaler, an object that holds no module
+    among its attributes)."""
     if isinstance(obj, _OWN_STATE):
         return None
     what = type(obj).__name__
+    if not isinstance(obj, nn.Module) and not _holds_a_module(obj):
+        return None  # (switti's run configuration: no model its state-dict method could reach)
     if not isinstance(obj, nn.Module):
         raise TypeError(
             f"{what}.state_dict() inside FSDP1's state_dict_type block on another model: it may call a model's "
@@ -42,6 +45,28 @@ def _options(obj: Any, block_model: nn.Module, options: StateDictOptions) -> Sta
     if not any(isinstance(module, FSDPModule) for module in obj.modules()):
         return None
     return StateDictOptions(full_state_dict=True)  # FSDP1's default type: the full dict on every rank
+
+
+def _holds_a_module(obj: Any, depth: int = 4) -> bool:
+    """Whether a module is among `obj`'s attributes, or in the containers among them, `depth` levels down."""
+    seen: set[int] = set()
+
+    def holds(value: Any, depth: int) -> bool:
+        if isinstance(value, nn.Module):
+            return True
+        if depth == 0 or id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None))):
+            return False
+        seen.add(id(value))
+        if isinstance(value, dict):
+            items: list[Any] = list(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            items = list(value)
+        else:
+            items = list(getattr(value, "__dict__", {}).values())
+            items += [getattr(value, slot, None) for slot in getattr(type(value), "__slots__", ())]
+        return any(holds(item, depth - 1) for item in items)
+
+    return holds(obj, depth)
 
 
 def state_dict_beside(obj: Any, block_model: nn.Module, options: StateDictOptions) -> dict[str, Any]:

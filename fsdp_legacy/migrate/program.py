@@ -8,7 +8,10 @@ is treated the same way in both, so the program ends up all FSDP2, or a file sta
   it as it is too: what they get from it is FSDP1's.
 - A function of one file that returns the wrapped model to callers in others (cross_file.py), or that they hand
   their wrapped model (handed_models.py): where they are followed, a caller's file left FSDP1 keeps the function's
-  file FSDP1 too, since the model is the same on both sides."""
+  file FSDP1 too, since the model is the same on both sides.
+- A file that stays FSDP1 keeps the files it imports from as they are too, where they would change: their functions
+  may be handed its FSDP1 models in ways the handovers above do not follow (switti passes `trainer.switti`, an
+  attribute of another object, to its checkpoint helpers)."""
 
 from __future__ import annotations
 
@@ -27,6 +30,13 @@ from .rewriter import migrate_source
 from .subclasses import REFUSED, Subclasses, program_refusal
 
 _ROUNDS = 8  # a policy kept FSDP1 can keep a construction, which can keep another policy: a few rounds at most
+
+
+@dataclass(frozen=True)
+class ImportedBy:
+    """A file whose functions `importer`, a file that stays FSDP1, imports."""
+
+    importer: str
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
     callers = cross.callers | handed.callers
     results: dict[str, MigrationResult] = {}
     forced: dict[str, str] = {}  # files left FSDP1 because they import from one that stays FSDP1 -> that file
-    held: dict[str, Caller | Handover] = {}  # files left FSDP1 because a file their model goes to stays FSDP1
+    held: dict[str, Caller | Handover | ImportedBy] = {}  # files left FSDP1 with a file their model meets
     last: dict[str, tuple[FileFacts, MigrationResult]] = {}  # each file's facts and rewrite in the round before
     setters = any("set_state_dict_type" in source for source in sources.values())  # (methods.py; any mention)
     reads: frozenset[str] = frozenset()  # what the program's migrated constructions read at run time
@@ -127,8 +137,16 @@ def _importing(result: MigrationResult, source: str) -> MigrationResult:
     return MigrationResult(result.source, result.source, [finding, *result.findings])
 
 
-def _held(result: MigrationResult, caller: Caller | Handover) -> MigrationResult:
+def _held(result: MigrationResult, caller: Caller | Handover | ImportedBy) -> MigrationResult:
     """A file left as it is because its model goes to (or comes from) a file that stays FSDP1."""
+    if isinstance(caller, ImportedBy):
+        what = f"{caller.importer} imports from it and stays FSDP1"
+        why = (
+            f"{what} (reported there): its FSDP1 models may reach this file's functions, whose calls rewritten for "
+            "FSDP2 would not fit them; the file is left as it is, as a whole"
+        )
+        finding = Finding(1, what, why, f"migrate {caller.importer} first", REFUSED)
+        return MigrationResult(result.source, result.source, [finding, *result.findings], result.fsdp1_constructions)
     if isinstance(caller, Handover):
         what = f"its wrapped model is handed to `{caller.function}` of {caller.callee}, which stays FSDP1"
         why = f"{what} (reported there): FSDP1's calls there would meet an FSDP2 model"
@@ -161,7 +179,7 @@ def _propagate(
     shared: policies.Shared,
     forced: dict[str, str],
     callers: frozenset[Caller],
-    held: dict[str, Caller | Handover],
+    held: dict[str, Caller | Handover | ImportedBy],
     handovers: frozenset[Handover] = frozenset(),
 ) -> bool:
     """Files that would change while importing from a file that stays FSDP1 are left as they are too, and so are
@@ -176,7 +194,8 @@ def _propagate(
             for source in sorted(shared.imports_from(path))
             if _stays_fsdp1(results[source])
         }
-        holding: dict[str, Caller | Handover] = {  # (a builder's file that stays FSDP1 already holds its model)
+        # (a builder's file that stays FSDP1 already holds its model)
+        holding: dict[str, Caller | Handover | ImportedBy] = {
             c.builder: c
             for c in sorted(callers, key=str)
             if c.builder not in held and not _stays_fsdp1(results[c.builder]) and _left_fsdp1(results[c.caller])
@@ -187,6 +206,15 @@ def _propagate(
             if h.caller not in held and h.caller not in holding and results[h.caller].changed
             and _left_fsdp1(results[h.callee])
         })  # fmt: skip
+        holding.update(
+            {  # a file that a file staying FSDP1 imports from
+                path: ImportedBy(importer)
+                for importer, result in sorted(results.items())
+                if _stays_fsdp1(result)
+                for path in sorted(shared.imports_from(importer))
+                if path not in held and path not in holding and path not in forced and results[path].changed
+            }
+        )
         if not added and not holding:
             return grew
         for path, source in added.items():

@@ -25,7 +25,7 @@ from .report import MigrationResult
 from .returned_model import exported_names
 from .sharded_resume import ShardedResume
 from .state_dict_type import SetTypes
-from .subclasses import Subclasses, kept_constructions, kept_type_blocks, refusals
+from .subclasses import Subclasses, kept_constructions, kept_state_dict_calls, kept_type_blocks, refusals
 from .survey import Survey
 from .transformer import Fsdp1ToFsdp2
 from .type_blocks import Readers, TypeBlocks
@@ -103,6 +103,10 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     kept_blocks = sorted(positions[b].start.line for b in transformer.kept_blocks)
     if kept_blocks and tree.code != source:  # nor FSDP1's state_dict_type (a no-op there) around an FSDP2 model
         findings = sorted([*findings, kept_type_blocks(kept_blocks)], key=lambda f: f.line)
+        return MigrationResult(source, source, findings, kept, policies)
+    kept_calls = sorted(positions[c].start.line for c in transformer.kept_calls)
+    if kept_calls and tree.code != source:  # nor a model's call FSDP1's type decided, on an FSDP2 model
+        findings = sorted([*findings, kept_state_dict_calls(kept_calls)], key=lambda f: f.line)
         return MigrationResult(source, source, findings, kept, policies)
     return MigrationResult(source, tree.code, findings, kept, policies, transformer.run_time_reads)
 

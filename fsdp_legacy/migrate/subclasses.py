@@ -128,6 +128,22 @@ def kept_constructions(lines: list[int]) -> Finding:
     return Finding(lines[0], "FSDP1 constructions kept", why, fix, REFUSED)
 
 
+def kept_state_dict_calls(lines: list[int]) -> Finding:
+    """For a file whose wrapped models' state-dict calls stay as written (reported at their lines, arguments with no
+    FSDP2 counterpart) beside code the rewrite would change: that code is left FSDP1's too."""
+    where = ", ".join(map(str, lines))
+    many = len(lines) > 1
+    them = "them" if many else "it"
+    why = (
+        f"the state-dict call{'s' if many else ''} at line{'s' if many else ''} {where} on a wrapped model "
+        f"stay{'' if many else 's'} as written (the findings there say why), and rewriting the rest of the file for "
+        f"FSDP2 would give {them} an FSDP2 model, whose own state_dict()/load_state_dict() work on each rank's "
+        "DTensor shards, where FSDP1's state-dict type decided; the file is left as it is, as a whole"
+    )
+    fix = "write those calls onto get_/set_model_state_dict with StateDictOptions, then migrate again"
+    return Finding(lines[0], "FSDP1 state-dict calls kept", why, fix, REFUSED)
+
+
 def kept_type_blocks(lines: list[int]) -> Finding:
     """For a file with `state_dict_type` blocks that stay (reported at their lines) beside code the rewrite would
     change: that code is left FSDP1's too."""

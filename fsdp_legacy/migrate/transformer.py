@@ -83,6 +83,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.blocks: list[tuple[str, TypeOptions | None]] = []
         self.removed_blocks: dict[cst.With, str] = {}  # the blocks taken away -> their model (type_blocks.Readers)
         self.kept_blocks: set[cst.With] = set()
+        self.kept_calls: set[cst.Call] = set()  # wrapped models' state-dict calls left as written (methods.py)
         self.unwrap: dict[cst.With, str] = {}  # with-statements to replace by their body: "state_dict", no_sync's model
         self.removed: set[str] = set()  # code of dead policy assignments, taken out by a second pass
         self.dead_uses: Counter[str] = Counter()  # name -> its uses the rewrites consumed (_drop_if_dead)
@@ -398,6 +399,8 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         """`model.module`, FSDP1's wrapped module, is the model itself under FSDP2."""
         _fsdp1_attribute(self, original)
         wrapped = self.code(original.value) in self.survey.models or self.narrowing.unit(original.value, original)
+        if original.attr.value == "module" and not wrapped:  # (a parameter every call hands the wrapped model)
+            wrapped = self.code(original.value) in methods.function_models(self, original)
         if original.attr.value == "module" and wrapped:
             self.consumed.add(original)
             if methods.maybe_plain(self, original.value, original):  # (DDP's wrapped module on the other runs)

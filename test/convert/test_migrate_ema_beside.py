@@ -167,6 +167,26 @@ def test_the_migrated_trainer_saves_its_ema_and_resumes_from_fsdp1s_checkpoint(r
                     assert torch.allclose(moments1[name][field], moments2[name][field], rtol=1e-5, atol=1e-8)
 
 
+class _RunConfig:
+    """switti's run arguments: an object with a state_dict() of its own and no model among its attributes."""
+
+    def __init__(self) -> None:
+        self.lr, self.names = 0.1, ["a", "b"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr, "names": list(self.names)}
+
+
+class _Trainer:
+    """An object whose state_dict() may call its model's, under the type the block set."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.parts = {"model": model}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.parts["model"].state_dict()
+
+
 def _beside_choices() -> dict[str, Any]:
     """What beside_runtime gives each kind of object inside a FULL rank0_only block on one FSDP2 model, beside what
     torch's FSDP1 gives the same objects inside the same block on its model."""
@@ -187,7 +207,7 @@ def _beside_choices() -> dict[str, Any]:
     fsdp1_other = FSDP(other, device_id=torch.device("cpu"))
     config = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
     with FSDP.state_dict_type(fsdp1_main, StateDictType.FULL_STATE_DICT, config):
-        theirs = {"other": fsdp1_other.state_dict(), "plain": plain.state_dict()}
+        theirs = {"other": fsdp1_other.state_dict(), "plain": plain.state_dict(), "config": _RunConfig().state_dict()}
     main, other, plain = nets()
     inner = main[0]
     fully_shard(inner)
@@ -200,9 +220,11 @@ def _beside_choices() -> dict[str, Any]:
         "plain": state_dict_beside(plain, main, options),
         "inner": state_dict_beside(inner, main, options),  # inside the block's model: rank 0 only
         "optimizer": state_dict_beside(torch.optim.SGD(plain.parameters(), lr=0.1), main, options),
+        "config": state_dict_beside(_RunConfig(), main, options),  # no module among its attributes: its own call
     }
     errors = {}
-    for what, obj, exception in (("holder", nn.Sequential(main), NotImplementedError), ("object", object(), TypeError)):
+    cases = (("holder", nn.Sequential(main), NotImplementedError), ("object", _Trainer(other), TypeError))
+    for what, obj, exception in cases:
         try:
             state_dict_beside(obj, main, options)
         except exception as error:
@@ -219,5 +241,6 @@ def test_state_dict_beside_gives_each_object_what_torchs_fsdp1_gives_it(ranks: A
         assert all(not hasattr(v, "device_mesh") for v in ours["other"].values())  # full on every rank
         assert bool(ours["inner"]) == (seen["rank"] == 0)  # the block's rank0_only
         assert "state" in ours["optimizer"] and "param_groups" in ours["optimizer"]
+        assert ours["config"] == theirs["config"]
         assert "holds the model of the state_dict_type block" in seen["errors"]["holder"]
-        assert "object.state_dict() inside FSDP1's state_dict_type block" in seen["errors"]["object"]
+        assert "_Trainer.state_dict() inside FSDP1's state_dict_type block" in seen["errors"]["object"]
