@@ -39,16 +39,33 @@ def _runs_before(bindings: Bindings, statement: cst.SimpleStatementLine, read: c
 
 
 def before_wrapping(bindings: Bindings, read: cst.Name, wrapping: Collection[cst.SimpleStatementLine]) -> bool:
-    """Whether `read` comes before a statement of its scope that binds the name to the wrapped model (`model =
-    FSDP(model)`, `model = build(model)`), where no earlier binding of the scope wrapped it: the module the program is
+    """Whether `read` comes before a statement of its scope that wraps the module the name holds, binding it or
+    another name to the wrapped model (`model = FSDP(model)`, `model = build(model)`, mistral-finetune's
+    `wrapped_model = FSDP(model, ...)`), where no earlier statement of the scope wrapped it: the module the program is
     about to wrap. A loop around both reads it again after the wrapping: not before it."""
     at = bindings.order(read)
     bound = [(bindings.order(a.node), statement) for a, statement in _assignments(bindings, read) if statement]
+    bound += [(bindings.order(statement), statement) for statement in _wrapping_the_module(bindings, read, wrapping)]
     before = [statement for start, statement in bound if start < at]
     wraps_after = [statement for start, statement in bound if start > at and statement in wrapping]
     if not wraps_after or any(statement in wrapping for statement in before):
         return False  # (the plain module may be moved or loaded first: `model = model.to(dtype)` in between)
     return not any(bindings.in_loop_around(read, statement) for statement in wraps_after)
+
+
+def _wrapping_the_module(
+    bindings: Bindings, read: cst.Name, wrapping: Collection[cst.SimpleStatementLine]
+) -> list[cst.SimpleStatementLine]:
+    """The wrapping statements of `read`'s scope whose call is handed the name as its module (the first argument)."""
+    found = []
+    for statement in wrapping:
+        line = statement.body[0]
+        call = line.value if isinstance(line, cst.Assign) else None
+        first = call.args[0].value if isinstance(call, cst.Call) and call.args else None
+        if isinstance(first, cst.Name) and first.value == read.value:
+            if bindings.scopes.get(first) is bindings.scopes.get(read):
+                found.append(statement)
+    return found
 
 
 def surely_wrapped(bindings: Bindings, read: cst.Name, wrapping: Collection[cst.SimpleStatementLine]) -> bool:

@@ -285,7 +285,7 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseE
     if options is None:
         return None  # under a state-dict type left to a person (reported)
     fsdp2 = _fsdp2_state_dict_call(t, method, receiver, args, original, updated, options)
-    if fsdp2 is None and (model is None or maybe_plain(t, func.value, original) or _wrapped_later(t, func.value)):
+    if fsdp2 is None and (model is None or maybe_plain(t, func.value, original)):
         return None  # (a module this tool does not know is wrapped there: its own call may be what FSDP1 gave too)
     if fsdp2 is None:  # (arguments get_/set_model_state_dict have no counterpart for: Dit's `assign=True`)
         why = (
@@ -301,24 +301,6 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call) -> cst.BaseE
         t.need(FSDP2, FSDP_MODULE)
         fsdp2 = guarded(receiver, fsdp2, t.module.code_for_node(updated))
     return t.expr(fsdp2)
-
-
-def _wrapped_later(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression) -> bool:
-    """Whether `receiver`, a name, is read before a statement of its function that wraps it under another name
-    (mistral-finetune's `model.load_state_dict(sd, assign=True)`, then `wrapped_model = FSDP(model, ...)`), where
-    it is the plain module."""
-    if not isinstance(receiver, cst.Name):
-        return False
-    bindings, scope = t.resume.bindings, t.resume.bindings.enclosing(receiver, cst.FunctionDef)
-    for statement in t.survey.wrapping:
-        line = statement.body[0]
-        call = line.value if isinstance(line, (cst.Assign, cst.Expr)) else None
-        first = call.args[0].value if isinstance(call, cst.Call) and call.args else None
-        if isinstance(first, cst.Name) and first.value == receiver.value:
-            later = bindings.order(statement) > bindings.order(receiver)
-            if later and bindings.enclosing(statement, cst.FunctionDef) is scope:
-                return True
-    return False
 
 
 def _gathered_whole(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> bool:
