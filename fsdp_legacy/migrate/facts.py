@@ -57,3 +57,6 @@ class FileFacts:
     # this file's module-level functions -> the parameters every call hands something other than a wrapped model:
     # a name they share with a wrapped model of the file is not it there
     plain_params: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # this file's module-level classes some construction in the program hands a wrapped model: a `.module` read on
+    # their methods' parameters or `self`'s attributes is FSDP1's wrapped module on some runs (methods.py)
+    receiving_classes: frozenset[str] = frozenset()

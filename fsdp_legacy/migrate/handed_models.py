@@ -14,7 +14,7 @@ model."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -58,6 +58,9 @@ class Handed:
     # path -> function -> the parameters every call hands something other than the wrapped model (the plain module
     # ahead of its wrapping, None): a name they share with a wrapped model is not it there
     plain: Mapping[str, Mapping[str, frozenset[str]]] = field(default_factory=dict)
+    # path -> its module-level classes some construction in the program hands a wrapped model (Self-Forcing's
+    # `EMA_FSDP(self.model.generator)`): their methods' parameters and attributes may hold it
+    classes: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -268,7 +271,34 @@ def follow_handed(
             receiving |= {path} if any(k & {WRAPPED, MAYBE} for k in kinds.values()) else set()
             if path in decided.wrapped and name in decided.wrapped[path]:
                 callers |= {Caller(path, name, p, handed=True) for p in handing - {path}}
+    classes = _receiving_classes(wrappers, imports, modules, models)
     return Handed(
-        decided.wrapped, frozenset(callers), frozenset(receiving), frozenset(handovers), decided.sometimes,
-        decided.maybe_plain, decided.plain,
+        decided.wrapped, frozenset(callers), frozenset(receiving | set(classes)), frozenset(handovers),
+        decided.sometimes, decided.maybe_plain, decided.plain, classes,
     )  # fmt: skip
+
+
+def _receiving_classes(
+    wrappers: Mapping[str, MetadataWrapper],
+    imports: Mapping[str, list[tuple[str, str, str]]],
+    modules: Mapping[str, Mapping[str, str]],
+    models: Callable[[str], _Models],
+) -> dict[str, frozenset[str]]:
+    """Each file's module-level classes that some construction in the program (`Cls(...)`, `utils.Cls(...)`) hands
+    a wrapped model among its arguments. Which method is later handed what is not followed: where the class reads
+    `x.module`, the tool guards it to hold either (methods.py)."""
+    found: dict[str, frozenset[str]] = {}
+    for path, wrapper in wrappers.items():
+        through = [(p, local) for p, held in modules.items() if p != path for local, m in held.items() if m == path]
+        receiving = set()
+        for cls in (s for s in wrapper.module.body if isinstance(s, cst.ClassDef)):
+            name = cls.name.value
+            importers = [(p, local) for p, n, local in _importing(path, imports) if n == name]
+            importers += [(p, f"{local}.{name}") for p, local in through]
+            for caller, local in [*importers, (path, name)]:
+                calls, _ = _calls(wrappers[caller], local, cls.name if caller == path else None)
+                if any(_kind(a.value, models(caller)) in (WRAPPED, MAYBE) for c in calls for a in c.args):
+                    receiving.add(name)
+        if receiving:
+            found[path] = frozenset(receiving)
+    return found

@@ -89,6 +89,29 @@ def sometimes_handed(t: Fsdp1ToFsdp2, receiver: str, node: cst.CSTNode) -> bool:
     return _parameter(t, receiver, node, t.facts.sometimes_wrapped_params)
 
 
+def maybe_handed(t: Fsdp1ToFsdp2, receiver: cst.BaseExpression, node: cst.CSTNode) -> bool:
+    """Whether `receiver` may hold a wrapped model on some runs, where the tool cannot tell which: a parameter some
+    calls, not all, hand one, or, in a module-level class some construction hands a wrapped model (handed_models.py),
+    a method's parameter (`self` aside) or an attribute of `self` (Self-Forcing's `EMA_FSDP.update(fsdp_module)`).
+    Not where `node` is assigned or deleted."""
+    parent = t.resume.bindings.parents.get(node)
+    if isinstance(parent, (cst.AssignTarget, cst.AugAssign, cst.AnnAssign, cst.Del)) and parent.target is node:
+        return False
+    if sometimes_handed(t, t.code(receiver), node):
+        return True
+    function = t.resume.bindings.enclosing(node, cst.FunctionDef)
+    owner = t.resume.bindings.enclosing(node, cst.ClassDef)
+    if function is None or owner is None or owner.name.value not in t.facts.receiving_classes:
+        return False
+    params = function.params
+    positional = [p.name.value for p in (*params.posonly_params, *params.params)]
+    own = positional[0] if positional else None
+    if isinstance(receiver, cst.Attribute):
+        return isinstance(receiver.value, cst.Name) and receiver.value.value == own
+    named = {*positional, *(p.name.value for p in params.kwonly_params)} - {own}
+    return isinstance(receiver, cst.Name) and receiver.value in named
+
+
 def _setters(t: Fsdp1ToFsdp2) -> bool:
     """Whether the program may set a state-dict type a function's parameter cannot be followed to."""
     return t.facts.state_dict_setters or bool(t.set_types.setters)

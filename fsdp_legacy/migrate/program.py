@@ -101,6 +101,7 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
                 handed.sometimes.get(path, {}),
                 handed.maybe_plain.get(path, {}),
                 handed.plain.get(path, {}),
+                handed.classes.get(path, frozenset()),
             )
             if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
                 result = last[path][1]

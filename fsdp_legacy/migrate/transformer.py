@@ -408,6 +408,11 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
                 code = self.code(updated.value)
                 return self.expr(guarded(code, code, self.module.code_for_node(updated)))
             return updated.value
+        if original.attr.value == "module" and methods.maybe_handed(self, original.value, original):
+            # FSDP1's wrapped module on the runs it holds the wrapped model, its own attribute on the others
+            self.need(FSDP2, FSDP_MODULE)
+            code = self.code(updated.value)
+            return self.expr(guarded(code, code, self.module.code_for_node(updated)))
         no_sync = methods.no_sync_value(self, original, updated)
         if no_sync is not None:
             return no_sync
