@@ -7,7 +7,7 @@ problem leaves the whole construction as it was (a partial rewrite would train d
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -111,10 +111,12 @@ def build(
     resolve: Resolve,
     meta: bool,
     imported: Mapping[str, ImportedPolicy] | None = None,
+    kept: Collection[cst.CSTNode] = (),
 ) -> Construction:
     """The FSDP2 statements for `target = FSDP(...)` (`call`); `meta`: the file names the meta device, so the module
     may be built there and must be materialized as FSDP1 does; `imported`: names bound to MixedPrecision policies of
-    other files of the program (facts.py)."""
+    other files of the program (facts.py); `kept`: the file's MixedPrecision(...) values that stay FSDP1's (another
+    use of them may reach an FSDP1 construction), which fsdp1_options reads at run time."""
     out = Construction()
     call = module_first(call)
     if not call.args or call.args[0].keyword is not None or call.args[0].star:
@@ -128,7 +130,7 @@ def build(
     if not isinstance(module, (cst.Name, cst.Attribute)):
         parts.pre.append(f"{target} = {model}")
         model = target
-    keywords = _read(call.args[1:], code, fsdp1, resolve, parts, out, imported or {})
+    keywords = _read(call.args[1:], code, fsdp1, resolve, parts, out, imported or {}, kept)
     _placement(keywords, code, parts, out)
     if out.problems:
         return out
@@ -217,6 +219,7 @@ def _read(
     parts: _Parts,
     out: Construction,
     imported: Mapping[str, ImportedPolicy] | None = None,
+    kept: Collection[cst.CSTNode] = (),
 ) -> _Keywords:
     """FSDP1's keyword arguments (after the module) into `parts`, or problems into `out`."""
     found = _Keywords()
@@ -248,6 +251,8 @@ def _read(
                 parts.at_run_time[name] = code(value)
             else:
                 _imported_precision(value.value, policy, parts, out, arg)
+        elif name == "mixed_precision" and resolve(value) in kept:
+            parts.at_run_time[name] = code(value)  # (dpo-v2's `mixed_precision=mixed_precision`, its name used again)
         elif name == "mixed_precision":
             _mixed_precision(resolve(value), value, code, fsdp1, parts, out)
         elif name == "cpu_offload":

@@ -60,3 +60,6 @@ class FileFacts:
     # this file's module-level classes some construction in the program hands a wrapped model: a `.module` read on
     # their methods' parameters or `self`'s attributes is FSDP1's wrapped module on some runs (methods.py)
     receiving_classes: frozenset[str] = frozenset()
+    # the local names this file imports from the program's own files (names and modules): calls through them are
+    # followed there, not another library's (foreign.py)
+    program_names: frozenset[str] = frozenset()

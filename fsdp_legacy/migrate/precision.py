@@ -9,7 +9,7 @@ A literal `CPUOffload(...)` likewise becomes FSDP2's policy only where this file
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 import libcst as cst
@@ -53,6 +53,14 @@ def uses(
         if name in external:
             found[node] = found.get(node, True) and external[name]
     return found
+
+
+def taken(call: cst.Call, policies: Collection[cst.CSTNode], value_of: Resolve) -> bool:
+    """Whether FSDP(...) `call` takes one of `policies` as its `mixed_precision=`."""
+    return any(
+        a.keyword is not None and a.keyword.value == "mixed_precision" and value_of(a.value) in policies
+        for a in call.args
+    )
 
 
 def _merged(

@@ -102,6 +102,7 @@ def migrate_program(sources: Mapping[str, str]) -> Program:
                 handed.maybe_plain.get(path, {}),
                 handed.plain.get(path, {}),
                 handed.classes.get(path, frozenset()),
+                frozenset(local for _, _, local in shared.named_imports(path)) | set(shared.imported_modules(path)),
             )
             if path in last and last[path][0] == facts:  # (the same facts give the same rewrite)
                 result = last[path][1]

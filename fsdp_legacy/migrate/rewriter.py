@@ -15,6 +15,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .bindings import Bindings
 from .facts import FileFacts
+from .foreign import kept_handovers
 from .internals import Internals
 from .leftovers import LeftoverFinder
 from .manual_wrap import ManualWrap
@@ -103,6 +104,10 @@ def migrate_source(source: str, facts: FileFacts | None = None) -> MigrationResu
     kept_blocks = sorted(positions[b].start.line for b in transformer.kept_blocks)
     if kept_blocks and tree.code != source:  # nor FSDP1's state_dict_type (a no-op there) around an FSDP2 model
         findings = sorted([*findings, kept_type_blocks(kept_blocks)], key=lambda f: f.line)
+        return MigrationResult(source, source, findings, kept, policies)
+    handing = sorted(positions[c].start.line for c in transformer.foreign_calls)
+    if handing and tree.code != source:  # nor another library's FSDP1 helper handed an FSDP2 model (foreign.py)
+        findings = sorted([*findings, kept_handovers(handing)], key=lambda f: f.line)
         return MigrationResult(source, source, findings, kept, policies)
     kept_calls = sorted(positions[c].start.line for c in transformer.kept_calls)
     if kept_calls and tree.code != source:  # nor a model's call FSDP1's type decided, on an FSDP2 model

@@ -40,7 +40,8 @@ class Survey(cst.CSTVisitor):
         self.models: set[str] = set()
         self.assigned: dict[str, list[tuple[cst.SimpleStatementLine, cst.BaseExpression]]] = {}
         self.bindings = BoundChains(every=True)  # every binding of each name (assigned: the `name = value` ones)
-        self.name_count: Counter[str] = Counter()
+        self.name_count: Counter[str] = Counter()  # each name's uses (not as a keyword or an attribute)
+        self.attribute_count: Counter[str] = Counter()  # each attribute name's reads (`self._policy()`)
         self.fsdp1_imports: list[tuple[str, str, str | None]] = []
         self.checkpointing_functions: set[str] = set()
         self.functions: dict[str, list[cst.FunctionDef]] = {}  # every def of the file (any depth), by name
@@ -109,6 +110,14 @@ class Survey(cst.CSTVisitor):
 
     def visit_Name(self, node: cst.Name) -> None:
         self.name_count[node.value] += 1
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        if node.keyword is not None:  # (`mixed_precision=mixed_precision`: the keyword is no use of the name)
+            self.name_count[node.keyword.value] -= 1
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self.name_count[node.attr.value] -= 1  # (`cfg.mixed_precision`: another name)
+        self.attribute_count[node.attr.value] += 1
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         module = cst.Module([]).code_for_node(node.module) if node.module else ""

@@ -18,6 +18,7 @@ from . import (
     apply_call,
     configs,
     construction,
+    foreign,
     methods,
     optim_loads,
     optim_state,
@@ -84,6 +85,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.removed_blocks: dict[cst.With, str] = {}  # the blocks taken away -> their model (type_blocks.Readers)
         self.kept_blocks: set[cst.With] = set()
         self.kept_calls: set[cst.Call] = set()  # wrapped models' state-dict calls left as written (methods.py)
+        self.foreign_calls: set[cst.Call] = set()  # calls handing a wrapped model to another library's FSDP helper
         self.unwrap: dict[cst.With, str] = {}  # with-statements to replace by their body: "state_dict", no_sync's model
         self.removed: set[str] = set()  # code of dead policy assignments, taken out by a second pass
         self.dead_uses: Counter[str] = Counter()  # name -> its uses the rewrites consumed (_drop_if_dead)
@@ -254,10 +256,16 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         """A policy built by a function of the file (`auto_wrap_policy=get_wrapping_policy(...)`, or a name assigned
         its result) goes to apply_fully_shard as it is, which evaluates it as FSDP1 does: the FSDP1 policies the
         function composes are accounted for, when that call is the function's only use in the file."""
-        if not (isinstance(policy, cst.Call) and isinstance(policy.func, cst.Name)):
+        func = policy.func if isinstance(policy, cst.Call) else None
+        if isinstance(func, cst.Name):
+            defs, only = self.survey.functions.get(func.value, []), self.survey.name_count[func.value] == 2
+        elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
+            name = func.attr.value  # (OpenFIM's `self._get_wrap_policy(self.model)`, a method of the class)
+            defs = self.survey.functions.get(name, [])
+            only = self.survey.name_count[name] == 1 and self.survey.attribute_count[name] == 1
+        else:
             return
-        defs = self.survey.functions.get(policy.func.value, [])
-        if len(defs) == 1 and self.survey.name_count[policy.func.value] == 2:  # the def and this call
+        if len(defs) == 1 and only:  # the def and this call
             self.consumed.update(construction.policy_names(defs[0], self.fsdp1))
 
     def _drop_if_dead(self, name: str, rewritten: str = "") -> None:
@@ -425,7 +433,15 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         if original in self.wraps.kept:
             return original  # manual wrapping left to a person: its keywords stay FSDP1's
-        qualified = {q.name for q in self.get_metadata(QualifiedNameProvider, original.func, set())}
+        names = self.get_metadata(QualifiedNameProvider, original.func, set())
+        qualified = {q.name for q in names}
+        helper = foreign.helper_of_another_library(original, names, self.facts.program_names)
+        wrapped = {*self.survey.models, *methods.function_models(self, original)}
+        if helper is not None and foreign.handed(
+            original, lambda value: self.code(value) in wrapped and not methods.before_its_wrapping(self, value)
+        ):
+            self.report(original, f"`{self.code(original.func)}(...)`", foreign.WHY.format(helper=helper), foreign.FIX)
+            self.foreign_calls.add(original)
         if f"{RUNTIME}.apply_fully_shard" in qualified and len(original.args) > 1:
             given = original.args[1].value  # an FSDP1 policy is what apply_fully_shard takes (a migrated file)
             self.consumed.update({given, self.value_of(given)})
@@ -507,7 +523,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         """The MixedPrecision values FSDP(...) calls take -> whether all of those become fully_shard (a dry run)."""
         if self._precision_uses is None:
             builds = {
-                call: self._build(self.survey.constructions[call], call)
+                call: self._build(self.survey.constructions[call], call, dry=True)
                 for call in self.survey.fsdp_calls
                 if call in self.survey.constructions
             }
@@ -522,11 +538,28 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             self._precision_uses = precision.uses(
                 built, self.value_of, survey.assigned, survey.name_count, self.facts.policy_uses
             )
+            kept = self._kept_precision()
+            if any(migrated and precision.taken(call, kept, self.value_of) for call, migrated in built):
+                self._run_time_keywords |= {"mixed_precision"}  # (FSDP1's policy, which fsdp1_options reads)
         return self._precision_uses
 
-    def _build(self, target: str, call: cst.Call) -> construction.Construction:
+    def _kept_precision(self) -> frozenset[cst.CSTNode]:
+        """The MixedPrecision(...) values that stay FSDP1's, because some use of them may reach a construction that
+        stays FSDP1: the constructions that become fully_shard read them at run time (fsdp1_options)."""
+        uses = self._precision()
+        return frozenset(
+            node
+            for node, every in uses.items()
+            if not every
+            and isinstance(node, cst.Call)
+            and self.fsdp1(node.func) == "MixedPrecision"
+            and not construction.mixed_precision_policy(node, self.code)[2]  # (refused: the construction stays)
+        )
+
+    def _build(self, target: str, call: cst.Call, dry: bool = False) -> construction.Construction:
+        kept = () if dry else self._kept_precision()
         return construction.build(
-            target, call, self.code, self.fsdp1, self.value_of, self.survey.meta, self.facts.policies
+            target, call, self.code, self.fsdp1, self.value_of, self.survey.meta, self.facts.policies, kept
         )
 
     def _apply(
