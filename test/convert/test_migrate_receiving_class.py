@@ -161,3 +161,29 @@ def test_a_class_of_another_file_handed_the_model_is_followed_and_no_other() -> 
     assert "self.inner = wrapper.module" in helpers  # Plain is handed no wrapped model
     assert "from torch.distributed.fsdp import FSDPModule" in helpers
     assert "fully_shard" in program.results["train.py"].migrated
+
+
+_SOMETIMES = textwrap.dedent(
+    """
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+
+    def names(fsdp_module):
+        return [n for n, _ in fsdp_module.module.named_parameters()]
+
+
+    READERS = {"names": names}  # (a use that is no call: what it is handed elsewhere is unknown)
+
+
+    def build(net):
+        model = FSDP(net, use_orig_params=True)
+        return model, names(model)
+    """
+)
+
+
+def test_a_parameter_only_some_uses_hand_the_model_is_guarded_too() -> None:
+    result = migrate_program({"train.py": _SOMETIMES}).results["train.py"]
+    guarded = "(fsdp_module if isinstance(fsdp_module, FSDPModule) else fsdp_module.module)"
+    assert guarded in result.migrated and not result.findings
