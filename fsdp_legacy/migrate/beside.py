@@ -14,7 +14,7 @@ import libcst as cst
 from . import optim_state
 from .construction import RUNTIME
 from .names import attribute_chain
-from .type_blocks import NO_CALL, related, torch_optimizer
+from .type_blocks import related, torch_optimizer
 
 if TYPE_CHECKING:
     from .transformer import Fsdp1ToFsdp2
@@ -31,7 +31,8 @@ def rewrite(t: Fsdp1ToFsdp2, original: cst.Call, updated: cst.Call, args: list[s
         return None  # (nested blocks: the object may be inside either model)
     model, options = t.blocks[0][0], t.blocks[0][1].model_options
     receiver = attribute_chain(func.value)
-    if options == NO_CALL or receiver is None or related(receiver, model):
+    if t.blocks[0][1].reads_nothing or receiver is None or related(receiver, model):  # (SHARDED's options read
+        # `StateDictOptions()` too: awsome-distributed-training's `scheduler.state_dict()` in its SHARDED block)
         return None
     if torch_optimizer(t, t.resume.bindings, func.value):
         return None  # its own call, which reads no type

@@ -61,6 +61,34 @@ def _loaded_later(t: Fsdp1ToFsdp2, statement: cst.SimpleStatementLine, name: str
     return next(iter(found)) if len(found) == 1 else None
 
 
+def _loaded_in_an_enclosing_block(t: Fsdp1ToFsdp2, statement: cst.SimpleStatementLine, name: str) -> bool:
+    """Whether `X.load_state_dict(name)` is a later statement of a block enclosing `statement`'s own, in the same
+    function: awsome-distributed-training converts under `with warnings.catch_warnings():` and loads after it. That
+    load runs whenever the conversion did (FSDP1 loaded there what it converted)."""
+    parents, function = t.resume.bindings.parents, t.resume.bindings.enclosing(statement, cst.FunctionDef)
+    node: cst.CSTNode | None = parents.get(statement)  # (its own block)
+    held: cst.CSTNode = statement
+    while node is not None and node is not function:
+        if isinstance(node, cst.IndentedBlock) and held is not statement:
+            body = list(node.body)
+            for later in body[body.index(cast(cst.BaseStatement, held)) + 1 :]:
+                small = later.body[0] if isinstance(later, cst.SimpleStatementLine) else None
+                call = small.value if isinstance(small, cst.Expr) else None
+                if isinstance(call, cst.Call) and _loads(t, call, name):
+                    return True
+        if isinstance(node, cst.BaseStatement):
+            held = node
+        node = parents.get(node)
+    return False
+
+
+def _loads(t: Fsdp1ToFsdp2, call: cst.Call, name: str) -> bool:
+    """Whether `call` is `X.load_state_dict(name)`."""
+    func, args = call.func, call.args
+    loading = isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(args) == 1
+    return loading and t.code(args[0].value) == name
+
+
 def load_def(
     t: Fsdp1ToFsdp2, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, name: str, call: cst.Call
 ) -> cst.SimpleStatementLine | None:
@@ -77,7 +105,8 @@ def load_def(
         return None  # the model's state-dict type is left to a person (reported)
     options = t.resume.options(call, options)
     uses = t.resume.bindings.count_in_scope(name, original)
-    optim = _loaded_later(t, original, name, loading.optim) if uses > 2 else None
+    later = uses > 2 or (uses == 2 and _loaded_in_an_enclosing_block(t, original, name))
+    optim = _loaded_later(t, original, name, loading.optim) if later else None
     if optim is not None and not t.resume.check(call, options):
         t.resume.loaded(call, loading.model, optim, options)
         t.consumed.add(call)

@@ -51,6 +51,7 @@ class TypeOptions:
     configs: tuple[Config, ...] = ()
     run_time: str = ""  # a block decided at run time: the helper call that gives both options (run_time_blocks.py)
     data: tuple[cst.CSTNode, ...] = ()  # (and the FSDP1 configs it reads, kept as they are)
+    reads_nothing: bool = False  # a block no call under which reads its type (type_blocks.py's NO_CALL options)
 
 
 def parse(call: cst.Call, code: Code, fsdp1: Fsdp1, bindings: Bindings | None = None) -> TypeOptions | None:

@@ -80,7 +80,7 @@ class TypeBlocks(cst.CSTVisitor):
         if options is None and call.args and not call.args[0].keyword and not any(a.star for a in call.args):
             model = self.code(call.args[0].value)
             if reads_nothing(_Reads(self, self.bindings, set()), node, model):
-                options = TypeOptions(model, NO_CALL, NO_CALL)  # a block under which nothing reads its type
+                options = TypeOptions(model, NO_CALL, NO_CALL, reads_nothing=True)  # nothing under it reads its type
         self.blocks[node] = (call, options)
 
     def leave_With(self, original_node: cst.With) -> None:

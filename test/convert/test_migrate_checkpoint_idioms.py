@@ -197,6 +197,8 @@ def test_configs_it_cannot_read_keep_the_block(config: str) -> None:
 # torch's FSDP1 DCP recipe (its distributed checkpoint tutorial): a SHARDED save, and the resume through
 # load_sharded_optimizer_state_dict, whose ShardedTensors FSDP2's optimizer cannot step with.
 _RESUME = """
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dist_cp
@@ -211,10 +213,10 @@ def build():
     net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
     model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
     optim = torch.optim.Adam(model.parameters(), lr=0.05)
-    return model, optim
+    return model, optim, torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
 
 
-def train(model, optim, steps, seed):
+def train(model, optim, scheduler, steps, seed):
     losses = []
     for step in range(steps):
         data = torch.Generator().manual_seed(seed + 10 * step + dist.get_rank())
@@ -222,25 +224,28 @@ def train(model, optim, steps, seed):
         loss.backward()
         optim.step()
         optim.zero_grad()
+        scheduler.step()
         losses.append(loss.item())
     return losses
 
 
 def save(path):
-    model, optim = build()
-    train(model, optim, 2, 0)
+    model, optim, scheduler = build()
+    train(model, optim, scheduler, 2, 0)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         state_dict = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
         dist_cp.save(state_dict, storage_writer=dist_cp.FileSystemWriter(path))
-    return train(model, optim, 3, 100)
+        torch.save(scheduler.state_dict(), f"{path}.scheduler{dist.get_rank()}")  # (another object's call: awsome's)
+    return train(model, optim, scheduler, 3, 100)
 
 
 def resume(path):
-    model, optim = build()
+    model, optim, scheduler = build()
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         state_dict = {"model": model.state_dict()}
         dist_cp.load(state_dict, storage_reader=dist_cp.FileSystemReader(path))
         model.load_state_dict(state_dict["model"])
+        scheduler.load_state_dict(torch.load(f"{path}.scheduler{dist.get_rank()}"))
         # the optimizer's state, laid out by the model's
         optim_state = load_sharded_optimizer_state_dict(
             model_state_dict=state_dict["model"],
@@ -248,12 +253,17 @@ def resume(path):
             storage_reader=dist_cp.FileSystemReader(path),
         )
         LOAD
-    return train(model, optim, 3, 100)
+    return train(model, optim, scheduler, 3, 100)
 """
 
 _LOADS = {
     "nested": 'optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, optim_state["optim"]))',
     "through a name": 'flattened_osd = FSDP.optim_state_dict_to_load(model, optim, optim_state["optim"])\n'
+    "        optim.load_state_dict(flattened_osd)",
+    # awsome-distributed-training's: converted in a nested block, loaded after it
+    "in a nested block": "with warnings.catch_warnings():\n"
+    '            warnings.simplefilter("ignore", UserWarning)\n'
+    '            flattened_osd = FSDP.optim_state_dict_to_load(model, optim, optim_state["optim"])\n'
     "        optim.load_state_dict(flattened_osd)",
 }
 
@@ -281,7 +291,9 @@ def test_the_sharded_resume_becomes_fsdp2s_recipe(ranks: Any, tmp_path: Any, loa
         "get_optimizer_state_dict(model, optim, options=StateDictOptions(cpu_offload=True))}" in out
     )
     assert "torch.distributed.checkpoint.load(optim_state, storage_reader=dist_cp.FileSystemReader(path))" in out
-    assert 'set_optimizer_state_dict(model, optim, optim_state["optim"], options=' in out
+    loads = "loaded_optim_state_dict" if load == "in a nested block" else "set_optimizer_state_dict"
+    assert f'{loads}(model, optim, optim_state["optim"], options=' in out
+    assert "state_dict_beside(scheduler, model, StateDictOptions())" in out
     for after_save, fsdp1, fsdp2 in ranks(_resumed, 2, source, out, str(tmp_path / "ckpt")):
         assert fsdp1 == pytest.approx(after_save, rel=1e-6)  # (the oracle: FSDP1 resumes as it went on)
         assert fsdp2 == pytest.approx(after_save, rel=1e-5)
