@@ -9,7 +9,7 @@ not the wrapped model."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 import libcst as cst
 from libcst.metadata import QualifiedName, QualifiedNameSource
@@ -36,11 +36,6 @@ def helper_of_another_library(
         if "fsdp" in dotted.lower():
             return dotted
     return None
-
-
-def handed(call: cst.Call, is_wrapped: Callable[[cst.BaseExpression], bool]) -> bool:
-    """Whether `call` hands a wrapped model among its arguments."""
-    return any(is_wrapped(a.value) for a in call.args)
 
 
 WHY = (

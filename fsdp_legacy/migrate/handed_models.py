@@ -221,6 +221,20 @@ def _importing(path: str, imports: Mapping[str, list[tuple[str, str, str]]]) -> 
     return [(p, n, local) for p, found in imports.items() for s, n, local in found if s == path]
 
 
+def _through(path: str, modules: Mapping[str, Mapping[str, str]]) -> list[tuple[str, str]]:
+    """The other files importing `path` as a module: (file, local module name)."""
+    return [(p, local) for p, found in modules.items() if p != path for local, m in found.items() if m == path]
+
+
+def _mentions(
+    path: str, name: str, imports: Mapping[str, list[tuple[str, str, str]]], through: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Where `name`, defined at `path`'s top level, may be called: (file, what that file calls it), its own too."""
+    importers = [(p, local) for p, n, local in _importing(path, imports) if n == name]
+    importers += [(p, f"{local}.{name}") for p, local in through]  # `utils.save(model)`
+    return [*importers, (path, name)]
+
+
 def follow_handed(
     wrappers: Mapping[str, MetadataWrapper], sources: Mapping[str, str], shared: Shared, cross: CrossFile
 ) -> Handed:
@@ -244,7 +258,7 @@ def follow_handed(
     }
     modules = {path: shared.imported_modules(path) for path in wrappers}
     for path, wrapper in wrappers.items():
-        through = [(p, local) for p, found in modules.items() if p != path for local, m in found.items() if m == path]
+        through = _through(path, modules)
         importing = {p for p, _, _ in _importing(path, imports)} | {p for p, _ in through}
         if path not in mention and not importing & mention:
             continue
@@ -253,14 +267,12 @@ def follow_handed(
         names = [f.name.value for f in defined]
         for function in defined:
             name = function.name.value
-            importers = [(p, local) for p, n, local in _importing(path, imports) if n == name]
-            importers += [(p, f"{local}.{name}") for p, local in through]  # `utils.save(model)`
             if function.decorators or names.count(name) > 1 or name in listed or "*" in listed:
                 continue
             kinds: dict[str, set[str]] = {}  # parameter -> what the calls hand it
             handing: set[str] = set()  # the files whose calls hand a wrapped model
             followed = True
-            for caller, local in [*importers, (path, name)]:
+            for caller, local in _mentions(path, name, imports, through):
                 calls, only_calls = _calls(wrappers[caller], local, function.name if caller == path else None)
                 followed = followed and only_calls
                 for call in calls:
@@ -289,13 +301,11 @@ def _receiving_classes(
     `x.module`, the tool guards it to hold either (methods.py)."""
     found: dict[str, frozenset[str]] = {}
     for path, wrapper in wrappers.items():
-        through = [(p, local) for p, held in modules.items() if p != path for local, m in held.items() if m == path]
+        through = _through(path, modules)
         receiving = set()
         for cls in (s for s in wrapper.module.body if isinstance(s, cst.ClassDef)):
             name = cls.name.value
-            importers = [(p, local) for p, n, local in _importing(path, imports) if n == name]
-            importers += [(p, f"{local}.{name}") for p, local in through]
-            for caller, local in [*importers, (path, name)]:
+            for caller, local in _mentions(path, name, imports, through):
                 calls, _ = _calls(wrappers[caller], local, cls.name if caller == path else None)
                 if any(_kind(a.value, models(caller)) in (WRAPPED, MAYBE) for c in calls for a in c.args):
                     receiving.add(name)

@@ -49,11 +49,8 @@ def _loaded_later(t: Fsdp1ToFsdp2, statement: cst.SimpleStatementLine, name: str
 
     class _Loads(cst.CSTVisitor):
         def visit_Call(self, node: cst.Call) -> None:
-            func, args = node.func, node.args
-            if not (isinstance(func, cst.Attribute) and func.attr.value == "load_state_dict" and len(args) == 1):
-                return
-            if t.code(args[0].value) == name and t.resume.bindings.positions[node].start.line > after:
-                found.add(t.code(func.value))
+            if _loads(t, node, name) and t.resume.bindings.positions[node].start.line > after:
+                found.add(t.code(cast(cst.Attribute, node.func).value))
 
     scope.visit(_Loads())
     if optim is not None:

@@ -100,6 +100,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         self.function_models: dict[cst.CSTNode, frozenset[str]] = {}  # (methods.function_models)
         self._precision_uses: dict[cst.CSTNode, bool] | None = None
         self._run_time_keywords: frozenset[str] = frozenset()  # (set with _precision_uses)
+        self._kept_precision: frozenset[cst.CSTNode] = frozenset()  # (set with _precision_uses: _kept_by_uses)
         self._alive: list[cst.CSTNode] = []  # every node whose id() keys one of the dicts above (see _key)
         # objects a test of the program shows are FSDP1 units (`assert isinstance(m, FSDP)`)
         self.narrowing = Narrowing(resume.bindings, lambda kind: self.fsdp1(kind) == _FSDP, self.code)
@@ -406,21 +407,19 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.BaseExpression:
         """`model.module`, FSDP1's wrapped module, is the model itself under FSDP2."""
         _fsdp1_attribute(self, original)
-        wrapped = self.code(original.value) in self.survey.models or self.narrowing.unit(original.value, original)
-        if original.attr.value == "module" and not wrapped:  # (a parameter every call hands the wrapped model)
-            wrapped = self.code(original.value) in methods.function_models(self, original)
-        if original.attr.value == "module" and wrapped:
-            self.consumed.add(original)
-            if methods.maybe_plain(self, original.value, original):  # (DDP's wrapped module on the other runs)
+        if original.attr.value == "module":
+            code = self.code(original.value)
+            wrapped = code in self.survey.models or self.narrowing.unit(original.value, original)
+            wrapped = wrapped or code in methods.function_models(self, original)  # (a parameter handed the model)
+            if wrapped:
+                self.consumed.add(original)
+                if not methods.maybe_plain(self, original.value, original):
+                    return updated.value
+            if wrapped or methods.maybe_handed(self, original.value, original):
+                # FSDP1's wrapped module where it holds the wrapped model, DDP's or its own attribute elsewhere
                 self.need(FSDP2, FSDP_MODULE)
-                code = self.code(updated.value)
-                return self.expr(guarded(code, code, self.module.code_for_node(updated)))
-            return updated.value
-        if original.attr.value == "module" and methods.maybe_handed(self, original.value, original):
-            # FSDP1's wrapped module on the runs it holds the wrapped model, its own attribute on the others
-            self.need(FSDP2, FSDP_MODULE)
-            code = self.code(updated.value)
-            return self.expr(guarded(code, code, self.module.code_for_node(updated)))
+                held = self.code(updated.value)
+                return self.expr(guarded(held, held, self.module.code_for_node(updated)))
         no_sync = methods.no_sync_value(self, original, updated)
         if no_sync is not None:
             return no_sync
@@ -436,10 +435,7 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         names = self.get_metadata(QualifiedNameProvider, original.func, set())
         qualified = {q.name for q in names}
         helper = foreign.helper_of_another_library(original, names, self.facts.program_names)
-        wrapped = {*self.survey.models, *methods.function_models(self, original)}
-        if helper is not None and foreign.handed(
-            original, lambda value: self.code(value) in wrapped and not methods.before_its_wrapping(self, value)
-        ):
+        if helper is not None and self._hands_a_wrapped_model(original):
             self.report(original, f"`{self.code(original.func)}(...)`", foreign.WHY.format(helper=helper), foreign.FIX)
             self.foreign_calls.add(original)
         if f"{RUNTIME}.apply_fully_shard" in qualified and len(original.args) > 1:
@@ -538,15 +534,19 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
             self._precision_uses = precision.uses(
                 built, self.value_of, survey.assigned, survey.name_count, self.facts.policy_uses
             )
-            kept = self._kept_precision()
+            self._kept_precision = kept = self._kept_by_uses(self._precision_uses)
             if any(migrated and precision.taken(call, kept, self.value_of) for call, migrated in built):
                 self._run_time_keywords |= {"mixed_precision"}  # (FSDP1's policy, which fsdp1_options reads)
         return self._precision_uses
 
-    def _kept_precision(self) -> frozenset[cst.CSTNode]:
+    def _hands_a_wrapped_model(self, call: cst.Call) -> bool:
+        """Whether `call` hands a model the file knows wrapped among its arguments (not ahead of its wrapping)."""
+        wrapped = {*self.survey.models, *methods.function_models(self, call)}
+        return any(self.code(a.value) in wrapped and not methods.before_its_wrapping(self, a.value) for a in call.args)
+
+    def _kept_by_uses(self, uses: dict[cst.CSTNode, bool]) -> frozenset[cst.CSTNode]:
         """The MixedPrecision(...) values that stay FSDP1's, because some use of them may reach a construction that
         stays FSDP1: the constructions that become fully_shard read them at run time (fsdp1_options)."""
-        uses = self._precision()
         return frozenset(
             node
             for node, every in uses.items()
@@ -557,7 +557,9 @@ class Fsdp1ToFsdp2(cst.CSTTransformer):
         )
 
     def _build(self, target: str, call: cst.Call, dry: bool = False) -> construction.Construction:
-        kept = () if dry else self._kept_precision()
+        if not dry:
+            self._precision()  # (the dry run decides which policies stay FSDP1's)
+        kept = () if dry else self._kept_precision
         return construction.build(
             target, call, self.code, self.fsdp1, self.value_of, self.survey.meta, self.facts.policies, kept
         )

@@ -20,6 +20,8 @@ import torch
 
 pytest.importorskip("libcst")
 
+from test_migrate_receiving_class import run_both
+
 from fsdp_legacy.migrate.program import migrate_program
 from fsdp_legacy.migrate.rewriter import migrate_source
 
@@ -162,22 +164,13 @@ _TRAINER = textwrap.dedent(
 )
 
 
-def _run_both(original: str, migrated: str) -> dict[str, Any]:
-    seen = {}
-    for kind, source in (("fsdp1", original), ("fsdp2", migrated)):
-        namespace: dict[str, Any] = {}
-        exec(compile(source, f"{kind}.py", "exec"), namespace)
-        seen[kind] = namespace["run"]()
-    return seen
-
-
 def test_a_policy_used_again_and_a_methods_policy_migrate_and_train_as_fsdp1(ranks: Any) -> None:
     result = migrate_source(_TRAINER)
     migrated = result.migrated
     assert not result.findings
     assert "fsdp1_options(mixed_precision=mp)" in migrated  # FSDP1's policy, read at run time
     assert "apply_fully_shard(self.net, wrap_policy" in migrated and "FullyShardedDataParallel" not in migrated
-    for rank, seen in enumerate(ranks(_run_both, 2, _TRAINER, migrated)):
+    for rank, seen in enumerate(ranks(run_both, 2, _TRAINER, migrated)):
         (losses1, state1), (losses2, state2) = seen["fsdp1"], seen["fsdp2"]
         torch.testing.assert_close(losses2, losses1, rtol=1e-5, atol=1e-6)
         if rank:

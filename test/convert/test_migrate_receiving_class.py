@@ -71,7 +71,7 @@ _EMA = textwrap.dedent(
             return [n for n, _ in self.model.module.named_parameters()]
 
 
-    def train():
+    def run():
         torch.manual_seed(0)
         net = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(8, 2))
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
@@ -90,12 +90,13 @@ _EMA = textwrap.dedent(
 )
 
 
-def _run_both(original: str, migrated: str) -> dict[str, Any]:
+def run_both(original: str, migrated: str) -> dict[str, Any]:
+    """On a rank: each program's `run()`, the FSDP1 original's and the migrated one's."""
     seen = {}
     for kind, source in (("fsdp1", original), ("fsdp2", migrated)):
         namespace: dict[str, Any] = {}
         exec(compile(source, f"{kind}.py", "exec"), namespace)
-        seen[kind] = namespace["train"]()
+        seen[kind] = namespace["run"]()
     return seen
 
 
@@ -107,7 +108,7 @@ def test_a_class_handed_the_wrapped_model_reads_the_model_itself_under_fsdp2(ran
     assert migrated.count(guarded) == 5  # every read in EMA's methods
     assert "(self.model if isinstance(self.model, FSDPModule) else self.model.module)" in migrated
     assert migrate_program({"train.py": migrated}).results["train.py"].migrated == migrated  # a second run
-    for rank, seen in enumerate(ranks(_run_both, 2, _EMA, migrated)):
+    for rank, seen in enumerate(ranks(run_both, 2, _EMA, migrated)):
         (ema1, weights1, names1), (ema2, weights2, names2) = seen["fsdp1"], seen["fsdp2"]
         assert names2 == ["0.proj.weight", "0.proj.bias", "1.proj.weight", "1.proj.bias", "2.weight", "2.bias"]
         assert len(names1) == len(names2)  # FSDP1's inner names hold `_fsdp_wrapped_module.`
